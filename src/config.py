@@ -1,0 +1,150 @@
+"""The run's configuration: one typed dataclass, read from YAML and overridden on the command line.
+
+    python train.py --config configs/default.yaml --learning_rate 3e-4 --norm batch
+
+Names follow Hugging Face `TrainingArguments` where one exists. Parsing, type checking and the YAML file are
+jsonargparse's job; this module only declares the fields and checks that their values make sense together.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from src.errors import UsageError
+
+TRACKERS = ("wandb", "tensorboard")
+
+
+@dataclass
+class TrainConfig:
+    # --- run ---
+    output_dir: str = "runs/digits"
+    overwrite_output_dir: bool = False  # allow a fresh run to replace a previous run's files in output_dir
+    seed: int = 42
+    run_name: str | None = None
+    project_name: str = "accelerate-template"  # wandb project / tensorboard folder
+    report_to: str | list[str] = "none"  # wandb, tensorboard, a list or "a,b", all, none; metrics.jsonl always
+    debug: bool = False  # full tracebacks instead of one-line errors
+
+    # --- data (src/data.py) ---
+    dataset_name: str | None = None  # a Hugging Face Hub dataset; None means the local data_files below
+    dataset_config_name: str | None = None
+    data_files: dict[str, str] | None = field(
+        default_factory=lambda: {"train": "data/digits/train.parquet", "eval": "data/digits/eval.parquet"}
+    )
+    train_split: str = "train"
+    eval_split: str = "eval"
+    input_column: str = "pixels"
+    label_column: str = "label"
+    dataloader_num_workers: int = 0
+    dataloader_drop_last: bool = True  # full batches only: the same samples per step on 1 or N processes
+
+    # --- model (src/model.py) ---
+    norm: Literal["batch", "group", "none"] = "group"  # group: no cross-sample statistics, exact on N processes
+    num_labels: int = 10
+
+    # --- optimisation ---
+    num_train_epochs: float = 10
+    max_steps: int = -1  # > 0 overrides num_train_epochs; counted in optimiser steps
+    per_device_train_batch_size: int = 32
+    per_device_eval_batch_size: int = 128
+    gradient_accumulation_steps: int = 1
+    global_batch_size: int | None = 64  # if set: accumulation = global / (per-device batch x processes)
+    learning_rate: float = 3e-3
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "cosine"
+    warmup_steps: int = 20
+    max_grad_norm: float = 1.0  # 0 disables clipping
+
+    # --- logging and evaluation (in optimiser steps) ---
+    logging_steps: int = 10
+    eval_steps: int = 100  # also evaluated once at the end
+    metrics: list[str] = field(default_factory=lambda: ["accuracy"])  # src/evaluate_metrics/<name> or a path
+
+    def __post_init__(self):
+        self.report_to = normalize_report_to(self.report_to)
+        problems = [
+            f"--{name} must be > 0 (got {getattr(self, name)})"
+            for name in (
+                "per_device_train_batch_size",
+                "per_device_eval_batch_size",
+                "gradient_accumulation_steps",
+                "learning_rate",
+                "num_train_epochs",
+                "logging_steps",
+                "eval_steps",
+                "num_labels",
+            )
+            if getattr(self, name) <= 0
+        ]
+        problems += [
+            f"--{name} must be >= 0 (got {getattr(self, name)})"
+            for name in ("weight_decay", "warmup_steps", "max_grad_norm", "dataloader_num_workers")
+            if getattr(self, name) < 0
+        ]
+        if self.global_batch_size is not None and self.global_batch_size <= 0:
+            problems.append(f"--global_batch_size must be > 0 (got {self.global_batch_size})")
+        if self.max_steps == 0 or self.max_steps < -1:
+            problems.append(f"--max_steps must be > 0, or -1 to train for num_train_epochs (got {self.max_steps})")
+        if self.dataset_name is None and not self.data_files:
+            problems.append("no data: set --dataset_name (a Hub dataset) or --data_files (local files)")
+        if problems:
+            raise UsageError("; ".join(problems))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def normalize_report_to(value: str | list[str]) -> list[str]:
+    """'wandb', 'wandb,tensorboard', ['wandb'], 'all' or 'none' -> a list of tracker names."""
+    names = [n.strip() for n in (value.split(",") if isinstance(value, str) else value) if n.strip()]
+    if names in ([], ["none"]):
+        return []
+    if names == ["all"]:
+        return list(TRACKERS)
+    unknown = sorted(set(names) - set(TRACKERS))
+    if unknown:
+        raise UsageError(f"unknown --report_to {', '.join(unknown)}; use {', '.join(TRACKERS)}, all or none")
+    return names
+
+
+def resolve_global_batch(config: TrainConfig, num_processes: int) -> int:
+    """Gradient accumulation steps so the optimiser sees `global_batch_size` samples on any process count."""
+    if config.global_batch_size is None:
+        return config.gradient_accumulation_steps
+    per_step = config.per_device_train_batch_size * num_processes
+    if config.global_batch_size % per_step:
+        raise UsageError(
+            f"--global_batch_size {config.global_batch_size} is not divisible by per-device batch "
+            f"{config.per_device_train_batch_size} x {num_processes} processes = {per_step}; "
+            f"pick a multiple of {per_step} or change --per_device_train_batch_size"
+        )
+    return config.global_batch_size // per_step
+
+
+def parse_config(argv: list[str] | None) -> TrainConfig:
+    """Defaults <- `--config file.yaml` <- `--field value` flags, type-checked; bad input raises UsageError."""
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    parser = ArgumentParser(description="Train a model with Hugging Face Accelerate.", exit_on_error=False)
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML file with any of the fields below")
+    parser.add_class_arguments(TrainConfig, as_group=False)
+    try:
+        namespace = parser.parse_args(argv)
+    except Exception as err:  # jsonargparse reports every parse problem as some exception with a message
+        raise UsageError(one_line(err) + "; see `python train.py --help`") from err
+    namespace.pop("config", None)
+    return TrainConfig(**namespace.as_dict())
+
+
+def one_line(err: Exception) -> str:
+    return " ".join(str(err).split())
+
+
+def save_config(config: TrainConfig, path: Path) -> None:
+    path.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))

@@ -1,0 +1,130 @@
+"""Data: a `datasets` dataset (local Parquet/CSV/JSON files or a Hub name) -> PyTorch DataLoaders.
+
+This is the file to edit first when you bring your own data. `load_splits` reads whatever the config names;
+`to_tensors` turns one split into model inputs and labels (the digits example: 64 pixels -> a 1x8x8 image).
+Accelerate shards the loaders across processes later, in `accelerator.prepare`; nothing here knows about ranks.
+"""
+
+import os
+from pathlib import Path
+
+from torch.utils.data import DataLoader, TensorDataset
+
+from src.config import TrainConfig
+from src.errors import UsageError
+
+FILE_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".jsonl": "json"}
+
+
+def load_splits(config: TrainConfig):
+    """Return a `datasets.DatasetDict` holding at least the train and eval splits named in the config."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    if config.dataset_name:
+        splits = load_hub_dataset(config)
+    else:
+        builder = file_builder(config.data_files)
+        try:
+            splits = datasets.load_dataset(builder, data_files=config.data_files)
+        except datasets.exceptions.DatasetGenerationError as err:
+            cause = " ".join(str(err.__cause__ or err).split())
+            raise UsageError(f"could not read the {builder} data files ({cause}); check --data_files") from err
+    for split in (config.train_split, config.eval_split):
+        if split not in splits:
+            raise UsageError(
+                f"the data has no split {split!r} (it has {', '.join(splits)}); set --{split_flag(config, split)}"
+            )
+        if len(splits[split]) == 0:
+            raise UsageError(f"the {split!r} split is empty; point --data_files or --dataset_name at data with rows")
+    return splits
+
+
+def split_flag(config: TrainConfig, split: str) -> str:
+    return "train_split" if split == config.train_split else "eval_split"
+
+
+def file_builder(data_files: dict[str, str]) -> str:
+    """The `datasets` builder for local files, from their extension; all splits must share one format."""
+    suffixes = set()
+    for split, path in data_files.items():
+        if not Path(path).is_file():
+            raise UsageError(
+                f"data file for split {split!r} not found: {path} (set --data_files or run from the repo root)"
+            )
+        suffixes.add(Path(path).suffix.lower())
+    unsupported = suffixes - set(FILE_BUILDERS)
+    if unsupported or len(suffixes) != 1:
+        raise UsageError(
+            f"data_files must all be one of {', '.join(FILE_BUILDERS)} (got {', '.join(sorted(suffixes))})"
+        )
+    return FILE_BUILDERS[suffixes.pop()]
+
+
+def load_hub_dataset(config: TrainConfig):
+    """Fail in a second, not after ~23 s of retries, when the Hub can't be reached and nothing is cached."""
+    import datasets
+
+    name = config.dataset_name
+    if not is_cached(name):
+        if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", ""):
+            raise UsageError(f"dataset {name!r} is not in the local cache and HF_HUB_OFFLINE is set; use --data_files")
+        check_on_hub(name)
+    return datasets.load_dataset(name, config.dataset_config_name)
+
+
+def check_on_hub(name: str) -> None:
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    try:
+        HfApi().dataset_info(name, timeout=10)
+    except RepositoryNotFoundError as err:
+        raise UsageError(f"no dataset {name!r} on the Hugging Face Hub; check --dataset_name") from err
+    except Exception as err:  # DNS, proxy, timeout, HTTP: all mean "can't use the Hub from here"
+        raise UsageError(
+            f"cannot reach the Hugging Face Hub for dataset {name!r} ({type(err).__name__}); "
+            "use local --data_files, or a cached copy with HF_HUB_OFFLINE=1"
+        ) from err
+
+
+def is_cached(dataset_name: str) -> bool:
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    return (Path(HF_HUB_CACHE) / f"datasets--{dataset_name.replace('/', '--')}").exists()
+
+
+def to_tensors(split, config: TrainConfig) -> TensorDataset:
+    """One split -> (inputs, labels) tensors. The digits example: 64 pixel values 0..16 -> 1x8x8 floats in [0, 1]."""
+    missing = {config.input_column, config.label_column} - set(split.column_names)
+    if missing:
+        raise UsageError(
+            f"the data has no column {', '.join(sorted(missing))} (it has {', '.join(split.column_names)}); "
+            "set --input_column / --label_column"
+        )
+    columns = split.with_format("torch", columns=[config.input_column, config.label_column])[:]
+    inputs = columns[config.input_column].float().div(16.0).view(-1, 1, 8, 8)
+    labels = columns[config.label_column].long()
+    if labels.min() < 0 or labels.max() >= config.num_labels:
+        raise UsageError(
+            f"labels must lie in 0..{config.num_labels - 1} but range {labels.min()}..{labels.max()}; set --num_labels"
+        )
+    return TensorDataset(inputs, labels)
+
+
+def build_dataloaders(config: TrainConfig) -> tuple[DataLoader, DataLoader]:
+    """Small data sets live in memory as tensors: no per-sample Python decoding in the training loop."""
+    splits = load_splits(config)
+    train_set = to_tensors(splits[config.train_split], config)
+    eval_set = to_tensors(splits[config.eval_split], config)
+    train_loader = DataLoader(
+        train_set,
+        batch_size=config.per_device_train_batch_size,
+        shuffle=True,  # Accelerate replaces the sampler with a seedable one: same order on 1 or N processes
+        drop_last=config.dataloader_drop_last,
+        num_workers=config.dataloader_num_workers,
+    )
+    eval_loader = DataLoader(
+        eval_set, batch_size=config.per_device_eval_batch_size, num_workers=config.dataloader_num_workers
+    )
+    return train_loader, eval_loader

@@ -1,0 +1,66 @@
+"""Build the Accelerator so one command trains the same way on CPU, one GPU or N processes.
+
+The traps this module closes (each measured, see README "How it works"):
+- On a machine without GPUs, `accelerate launch --multi_gpu` or `torchrun` with a plain `Accelerator()` starts N
+  processes that never form a group: N independent trainings, silently. We pass `cpu=True` there, which gives
+  real gloo DDP, and refuse to run if the launcher's world size and the accelerator's disagree.
+- The global batch must not change with the process count: `global_batch_size` fixes it and accumulation is
+  derived from it.
+- The seedable sampler makes the data order independent of the process count.
+- BatchNorm statistics are per process unless converted to SyncBatchNorm, which torch allows on CUDA only.
+"""
+
+import logging
+import os
+
+import torch
+from torch import nn
+
+from src.config import TrainConfig, resolve_global_batch
+from src.errors import UsageError
+
+logger = logging.getLogger(__name__)
+
+
+def has_accelerator() -> bool:
+    return torch.accelerator.is_available() if hasattr(torch, "accelerator") else torch.cuda.is_available()
+
+
+def build_accelerator(config: TrainConfig, log_with: list):
+    from accelerate import Accelerator, DataLoaderConfiguration, PartialState
+    from accelerate.utils import GradientAccumulationPlugin
+
+    use_cpu = not has_accelerator()
+    state = PartialState(cpu=use_cpu)  # forms the process group; its size fixes the gradient accumulation
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != state.num_processes:
+        raise UsageError(
+            f"the launcher started {launched} processes but they formed a group of {state.num_processes}; "
+            "launch with `accelerate launch --config_file accelerate_configs/ddp.yaml` or `torchrun`"
+        )
+    accumulation = resolve_global_batch(config, state.num_processes)
+    return Accelerator(
+        cpu=use_cpu,
+        log_with=log_with,
+        project_dir=config.output_dir,
+        # sync_with_dataloader=False: the loop runs whole accumulation windows only, so no partial window at
+        # an epoch's end makes an extra, smaller optimiser step that a different process count would not make
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=accumulation, sync_with_dataloader=False),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+    )
+
+
+def sync_batchnorm(model: nn.Module, accelerator) -> nn.Module:
+    """BatchNorm -> SyncBatchNorm on multi-process CUDA; elsewhere statistics stay per process (warn once)."""
+    has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    if not has_batchnorm or accelerator.num_processes == 1:
+        return model
+    if accelerator.device.type == "cuda":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    logger.warning(
+        "BatchNorm statistics are per process: torch supports SyncBatchNorm on CUDA only, so this %d-process "
+        "%s run normalises each process's batch separately (use --norm group for identical results).",
+        accelerator.num_processes,
+        accelerator.device.type,
+    )
+    return model

@@ -1,0 +1,35 @@
+"""Optimiser and learning-rate schedule. The schedule counts optimiser steps, whatever the process count."""
+
+import math
+
+import torch
+from torch import nn
+
+from src.config import TrainConfig
+
+
+def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW; no weight decay on biases and normalisation weights (1-D parameters), as usual."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2))
+
+
+def lr_factor(step: int, total_steps: int, warmup_steps: int, kind: str) -> float:
+    """Multiplier on the base learning rate after `step` optimiser steps: linear warmup, then the decay `kind`."""
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    if kind in ("constant", "constant_with_warmup"):
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if kind == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))  # cosine
+
+
+def build_scheduler(optimizer, config: TrainConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    warmup = 0 if config.lr_scheduler_type == "constant" else config.warmup_steps
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, total_steps, warmup, config.lr_scheduler_type)
+    )

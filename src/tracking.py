@@ -1,0 +1,116 @@
+"""What the main process alone does: console lines, `metrics.jsonl`, wandb/tensorboard, the progress bar.
+
+The rule lives here, once: `setup_logging` silences every other process's console, Accelerate's `log` and
+`init_trackers` already run on the main process only, and the progress bar is disabled elsewhere. The training
+loop therefore never asks which rank it is on.
+"""
+
+import json
+import logging
+import netrc
+import os
+import sys
+from pathlib import Path
+
+from accelerate.tracking import GeneralTracker
+
+from src.config import TrainConfig
+
+logger = logging.getLogger(__name__)
+
+
+def setup_logging(accelerator) -> None:
+    """INFO lines from the main process; other processes print errors only (no N copies of every warning)."""
+    level = logging.INFO if accelerator.is_main_process else logging.ERROR
+    logging.basicConfig(format="%(asctime)s %(message)s", datefmt="%H:%M:%S", level=level, force=True)
+    logging.getLogger("accelerate").setLevel(logging.WARNING)  # its INFO lines repeat ours, some wrongly
+    if not accelerator.is_main_process:
+        import warnings
+
+        warnings.filterwarnings("ignore")
+
+
+class JsonlTracker(GeneralTracker):
+    """An Accelerate tracker writing one JSON object per `accelerator.log` call to `output_dir/metrics.jsonl`."""
+
+    name = "jsonl"
+    requires_logging_directory = False
+    main_process_only = True
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path = Path(path)
+        self.file = None
+
+    @property
+    def tracker(self):
+        return self.file
+
+    def start(self):  # called by init_trackers on the main process only
+        self.file = open(self.path, "a", buffering=1)  # line-buffered: a killed run keeps every logged line
+
+    def log(self, values: dict, step: int | None = None, **kwargs):
+        self.file.write(json.dumps({"step": step, **values}) + "\n")
+
+    def finish(self):
+        self.file.close()
+
+
+def build_trackers(config: TrainConfig) -> list:
+    """`log_with` for the Accelerator: metrics.jsonl always, plus whatever --report_to names."""
+    return [JsonlTracker(Path(config.output_dir) / "metrics.jsonl"), *config.report_to]
+
+
+def start_tracking(accelerator, config: TrainConfig) -> None:
+    if "wandb" in config.report_to:
+        configure_wandb(config)
+    accelerator.init_trackers(
+        config.project_name,
+        config=loggable(config.to_dict()),
+        init_kwargs={"wandb": {"name": config.run_name, "dir": config.output_dir}},
+    )
+
+
+def configure_wandb(config: TrainConfig) -> None:
+    """No credentials and no WANDB_MODE: go offline instead of prompting forever (or crashing without a TTY)."""
+    if os.environ.get("WANDB_MODE") or has_wandb_credentials():
+        return
+    os.environ["WANDB_MODE"] = "offline"
+    logger.info(
+        "wandb: no API key found, logging offline; upload later with `wandb sync %s/wandb/offline-run-*`",
+        config.output_dir,
+    )
+
+
+def has_wandb_credentials() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators("api.wandb.ai") is not None
+    except (FileNotFoundError, netrc.NetrcParseError):
+        return False
+
+
+def loggable(values: dict) -> dict:
+    """Trackers take scalars only (tensorboard's hparams); lists and dicts become strings."""
+    return {k: v if isinstance(v, (int, float, str, bool)) or v is None else str(v) for k, v in values.items()}
+
+
+def log_metrics(accelerator, metrics: dict, step: int) -> None:
+    """To every tracker (metrics.jsonl included) and one console line, main process only."""
+    accelerator.log(metrics, step=step)
+    logger.info("step %d | %s", step, " | ".join(f"{k} {format_value(v)}" for k, v in metrics.items()))
+
+
+def format_value(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def progress_bar(accelerator, total: int, initial: int = 0):
+    """tqdm on the main process when stdout is a terminal; otherwise the periodic log lines are the progress."""
+    from tqdm.auto import tqdm
+
+    enabled = accelerator.is_main_process and sys.stdout.isatty()
+    return tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True)

@@ -1,0 +1,72 @@
+"""Helpers to run train.py as a user would: `python train.py` or `accelerate launch` with N CPU processes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+LAUNCHER_VARIABLES = {"WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_CPU"}
+
+# A short run of the default example; tests add their own flags after these.
+QUICK = ["--max_steps", "6", "--logging_steps", "2", "--eval_steps", "1000"]
+
+
+def launch_command(processes: int) -> list[str]:
+    if processes == 1:
+        return [sys.executable, "train.py"]
+    return [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", "accelerate_configs/ddp.yaml", "--num_processes", str(processes),
+        "--main_process_port", str(free_port()), "train.py",
+    ]  # fmt: skip
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_train(*args: str, processes: int = 1, **kwargs) -> subprocess.CompletedProcess:
+    """Run train.py in a fresh process (or N of them) from the repo root."""
+    return run_command([*launch_command(processes), *args], **kwargs)
+
+
+def run_python(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return run_command([sys.executable, *args], **kwargs)
+
+
+def run_command(command: list[str], env: dict | None = None, timeout: float = 300, **kwargs):
+    """Offline, one thread per process, no inherited launcher variables, stdin closed."""
+    base = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    full_env = {**base, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", **(env or {})}
+    return subprocess.run(
+        command, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+        **kwargs,
+    )  # fmt: skip
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def series(rows: list[dict], key: str) -> dict[int, float]:
+    return {row["step"]: row[key] for row in rows if key in row}
+
+
+def assert_ok(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, (
+        f"exit {result.returncode}\n--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-5000:]}"
+    )
+
+
+@pytest.fixture
+def out(tmp_path) -> Path:
+    return tmp_path / "run"

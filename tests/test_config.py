@@ -1,0 +1,69 @@
+import dataclasses
+
+import pytest
+import yaml
+
+from src.config import TrainConfig, parse_config, resolve_global_batch
+from src.errors import UsageError
+from tests.conftest import REPO
+
+
+def test_yaml_then_command_line_override(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("learning_rate: 0.5\nnorm: batch\nreport_to: [wandb, tensorboard]\n")
+    config = parse_config(["--config", str(path), "--norm", "none", "--max_steps", "7"])
+    assert (config.learning_rate, config.norm, config.max_steps) == (0.5, "none", 7)
+    assert config.report_to == ["wandb", "tensorboard"]
+
+
+@pytest.mark.parametrize(
+    "yaml_text, flags, message",
+    [
+        ("bogus_key: 1\n", [], "bogus_key"),
+        ("learning_rate: fast\n", [], "learning_rate"),
+        ("", ["--per_device_train_batch_size", "1.5"], "per_device_train_batch_size"),
+        ("", ["--no_such_flag", "1"], "no_such_flag"),
+        ("", ["--norm", "layer"], "norm"),
+        ("", ["--learning_rate", "0"], "--learning_rate must be > 0"),
+        ("", ["--max_steps", "-5"], "--max_steps must be > 0"),
+        ("", ["--report_to", "mlflow"], "unknown --report_to mlflow"),
+        ("key: [unclosed\n", [], "config"),
+    ],
+)
+def test_bad_config_is_a_usage_error(tmp_path, yaml_text, flags, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml_text)
+    config_flags = ["--config", str(path)] if yaml_text else []
+    with pytest.raises(UsageError, match=message) as info:
+        parse_config([*config_flags, *flags])
+    assert "\n" not in str(info.value)
+
+
+def test_global_batch_sets_accumulation_per_world_size():
+    config = TrainConfig(global_batch_size=64, per_device_train_batch_size=16)
+    assert [resolve_global_batch(config, n) for n in (1, 2, 4)] == [4, 2, 1]
+    assert resolve_global_batch(TrainConfig(global_batch_size=None, gradient_accumulation_steps=3), 8) == 3
+
+
+def test_global_batch_not_divisible_names_the_fix():
+    config = TrainConfig(global_batch_size=64, per_device_train_batch_size=24)
+    with pytest.raises(UsageError, match="not divisible.*24 x 2 processes = 48"):
+        resolve_global_batch(config, 2)
+
+
+def test_report_to_forms():
+    assert TrainConfig(report_to="none").report_to == []
+    assert TrainConfig(report_to="all").report_to == ["wandb", "tensorboard"]
+    assert TrainConfig(report_to="wandb,tensorboard").report_to == ["wandb", "tensorboard"]
+
+
+def test_default_yaml_matches_dataclass_defaults():
+    """`python train.py` and `--config configs/default.yaml` must train the same thing."""
+    from_yaml = parse_config(["--config", str(REPO / "configs/default.yaml")])
+    assert dataclasses.asdict(from_yaml) == dataclasses.asdict(TrainConfig())
+
+
+def test_every_yaml_key_is_a_field():
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    for path in (REPO / "configs").rglob("*.yaml"):
+        assert set(yaml.safe_load(path.read_text())) <= fields, path

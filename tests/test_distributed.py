@@ -1,0 +1,87 @@
+"""The core promise: the same command trains the same way on 1 and N processes, with exact metrics."""
+
+import pytest
+import torch
+
+from tests.conftest import QUICK, REPO, assert_ok, free_port, read_metrics, run_python, run_train, series
+
+# Over 40 steps at this learning rate float32 round-off (different summation order in DDP's all-reduce)
+# stays below 1e-6; at higher rates training amplifies it, as it does for 1-process accumulation vs one batch.
+SAME_RUN = ["--max_steps", "40", "--logging_steps", "1", "--eval_steps", "20", "--learning_rate", "1e-3"]
+
+
+@pytest.fixture(scope="module")
+def one_and_two_processes(tmp_path_factory):
+    runs = {}
+    for processes in (1, 2):
+        output_dir = tmp_path_factory.mktemp(f"p{processes}") / "run"
+        result = run_train(*SAME_RUN, "--output_dir", str(output_dir), processes=processes)
+        assert_ok(result)
+        runs[processes] = (result, read_metrics(output_dir))
+    return runs
+
+
+def test_two_processes_really_ran_as_two(one_and_two_processes):
+    for processes, (_, rows) in one_and_two_processes.items():
+        assert rows[0]["setup/world_size"] == processes
+        assert rows[0]["setup/global_batch"] == 64
+        assert rows[0]["setup/gradient_accumulation"] == 2 // processes
+
+
+def test_per_step_train_loss_equal_on_1_and_2_processes(one_and_two_processes):
+    one, two = (series(one_and_two_processes[n][1], "train/loss") for n in (1, 2))
+    assert list(one) == list(range(1, 41)) and list(two) == list(one)
+    torch.testing.assert_close(torch.tensor(list(two.values())), torch.tensor(list(one.values())), rtol=0, atol=1e-5)
+
+
+def test_eval_metrics_equal_on_1_and_2_processes(one_and_two_processes):
+    one, two = (one_and_two_processes[n][1] for n in (1, 2))
+    for key in ("eval/accuracy", "eval/num_samples"):
+        assert series(one, key) == series(two, key) and len(series(one, key)) == 2
+    torch.testing.assert_close(
+        torch.tensor(list(series(two, "eval/loss").values())), torch.tensor(list(series(one, "eval/loss").values()))
+    )
+
+
+def test_two_processes_log_each_line_once(one_and_two_processes, tmp_path):
+    result, rows = one_and_two_processes[2]
+    steps = [row["step"] for row in rows if "train/loss" in row]
+    assert steps == sorted(set(steps))  # one metrics.jsonl, each step once
+    console = result.stdout + result.stderr
+    assert console.count("step 7 | train/loss") == 1
+    assert console.count("model saved to") == 1
+
+
+@pytest.mark.parametrize("processes", [1, 2, 3])
+def test_eval_counts_every_sample_once(out, processes):
+    """359 eval images (a prime): uneven shards on any process count, still each sample counted once."""
+    result = run_train(
+        *QUICK, "--output_dir", str(out), "--global_batch_size", "96", "--per_device_train_batch_size", "16",
+        processes=processes,
+    )  # fmt: skip
+    assert_ok(result)
+    rows = read_metrics(out)
+    assert rows[0]["setup/world_size"] == processes
+    assert list(series(rows, "eval/num_samples").values()) == [359]
+
+
+PLAIN_ACCELERATOR = """
+import sys
+sys.path.insert(0, {repo!r})
+import src.distributed
+src.distributed.has_accelerator = lambda: True  # what a plain Accelerator() assumes on a GPU-less machine
+from src.errors import exit_on_usage_error
+from train import main
+exit_on_usage_error(main)(sys.argv[1:])
+"""
+
+
+def test_processes_that_form_no_group_are_refused(out, tmp_path):
+    """torchrun starts 2 processes; without cpu=True each would see world size 1 and train alone, silently."""
+    script = tmp_path / "plain_accelerator.py"
+    script.write_text(PLAIN_ACCELERATOR.format(repo=str(REPO)))
+    command = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), str(script)]
+    result = run_python(*command, *QUICK, "--output_dir", str(out))
+    assert result.returncode != 0
+    assert result.stderr.count("error: the launcher started 2 processes but they formed a group of 1") == 2
+    assert not out.exists()

@@ -1,0 +1,42 @@
+"""Every command the README shows is run: the Quickstart by .ci/run, the launch commands here."""
+
+import shlex
+import sys
+
+import pytest
+import torch
+
+from scripts.readme_commands import section_commands
+from tests.conftest import QUICK, REPO, assert_ok, free_port, read_metrics, run_command
+
+
+def test_quickstart_is_exactly_two_commands_and_ci_runs_them():
+    setup_and_train, run_tests = section_commands("Quickstart")
+    assert "scripts/setup.sh" in setup_and_train and "train.py" in setup_and_train
+    assert "pytest" in run_tests
+    assert "readme_commands.py quickstart" in (REPO / ".ci/run").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", section_commands("Launch on any hardware"))
+def test_launch_command_runs(command, tmp_path):
+    if "single_gpu" in command and not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    words = shlex.split(command)
+    if words[:2] == ["accelerate", "launch"]:
+        words = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--main_process_port",
+            str(free_port()),
+            *words[2:],
+        ]
+    elif words[0] == "python":
+        words[0] = sys.executable
+    result = run_command([*words, *QUICK, "--output_dir", str(tmp_path / "run")], timeout=600)
+    assert_ok(result)
+    expected_processes = int(words[words.index("--num_processes") + 1]) if "--num_processes" in words else 1
+    if "ddp.yaml" in command and "--num_processes" not in words:
+        expected_processes = 2
+    assert read_metrics(tmp_path / "run")[0]["setup/world_size"] == expected_processes

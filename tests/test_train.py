@@ -1,0 +1,65 @@
+"""End to end on the default digits example: accuracy, outputs, the Python API."""
+
+import pytest
+from safetensors.torch import load_file
+
+from src.config import TrainConfig
+from tests.conftest import QUICK, assert_ok, read_metrics, run_train, series
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """main() in this process: reset Accelerate's process-wide singletons before and after."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def test_default_example_reaches_95_percent(out):
+    result = run_train("--output_dir", str(out))
+    assert_ok(result)
+    rows = read_metrics(out)
+    final = rows[-1]
+    assert final["eval/accuracy"] >= 0.95, final
+    assert final["eval/num_samples"] == 359
+    assert final["step"] == 220  # 10 epochs x (1438 // 64) optimiser steps
+    losses = series(rows, "train/loss")
+    assert losses[220] < losses[10] / 10
+    assert set(rows[1]) >= {"step", "epoch", "train/loss", "train/lr", "train/grad_norm", "train/samples_per_s"}
+    weights = load_file(out / "model" / "model.safetensors")
+    assert any(name.startswith("classifier") for name in weights)
+    assert "learning_rate: 0.003" in (out / "config.yaml").read_text()
+
+
+def test_main_takes_a_config_object_or_cli_args(tmp_path, fresh_accelerate_state):
+    from train import main
+
+    config = TrainConfig(output_dir=str(tmp_path / "a"), max_steps=4, logging_steps=2, eval_steps=1000)
+    metrics = main(config)
+    assert metrics["eval/num_samples"] == 359
+    assert [row["step"] for row in read_metrics(tmp_path / "a")] == [0, 2, 4, 4]
+
+    metrics = main(["--output_dir", str(tmp_path / "b"), "--max_steps", "2", "--eval_steps", "1000"])
+    assert metrics["eval/num_samples"] == 359
+
+
+def test_existing_run_is_not_clobbered(out):
+    assert_ok(run_train(*QUICK, "--output_dir", str(out)))
+    before = (out / "metrics.jsonl").read_bytes()
+    result = run_train(*QUICK, "--output_dir", str(out), "--learning_rate", "0.1")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: {out} already holds a run")
+    assert (out / "metrics.jsonl").read_bytes() == before
+
+    assert_ok(run_train(*QUICK, "--output_dir", str(out), "--overwrite_output_dir", "true"))
+    assert len(series(read_metrics(out), "train/loss")) == 3  # replaced, not appended
+
+
+def test_batchnorm_on_two_cpu_processes_warns_once(out):
+    result = run_train(*QUICK, "--output_dir", str(out), "--norm", "batch", processes=2)
+    assert_ok(result)
+    assert (result.stdout + result.stderr).count("BatchNorm statistics are per process") == 1

@@ -1,0 +1,146 @@
+"""Train a model with Hugging Face Accelerate: the same file on a laptop CPU, one GPU, N GPUs or a cluster.
+
+    python train.py                                          # one process
+    accelerate launch --config_file accelerate_configs/ddp.yaml train.py --config configs/default.yaml
+    python -c "from train import main; main(['--max_steps', '50'])"   # from Python or a notebook
+
+The story, top to bottom: config -> accelerator -> data, model, metric -> train loop (log, evaluate) -> save.
+Each plug point lives in src/: config.py, data.py, model.py, metrics.py, optim.py, tracking.py, checkpoint.py.
+"""
+
+import logging
+import math
+import time
+from itertools import islice
+
+import torch
+import torch.nn.functional as F
+
+from src.checkpoint import prepare_output_dir, save_final_model
+from src.config import TrainConfig, parse_config
+from src.data import build_dataloaders
+from src.distributed import build_accelerator, sync_batchnorm
+from src.errors import exit_on_usage_error
+from src.metrics import load_metrics
+from src.model import build_model
+from src.optim import build_optimizer, build_scheduler
+from src.tracking import build_trackers, log_metrics, progress_bar, setup_logging, start_tracking
+
+logger = logging.getLogger("train")
+
+
+def main(args: list[str] | TrainConfig | None = None) -> dict:
+    """Train and evaluate; returns the final eval metrics. `args`: CLI flags, a TrainConfig, or None (sys.argv)."""
+    config = args if isinstance(args, TrainConfig) else parse_config(args)
+
+    # --- distributed setup: world size, device, global batch -> gradient accumulation ---
+    accelerator = build_accelerator(config, log_with=build_trackers(config))
+    setup_logging(accelerator)
+    from accelerate.utils import set_seed
+
+    set_seed(config.seed)  # same seed on every process: identical initial weights, like a broadcast
+
+    # --- data, model, optimiser, metric ---
+    train_loader, eval_loader = build_dataloaders(config)
+    model = sync_batchnorm(build_model(config), accelerator)
+    optimizer = build_optimizer(model, config)
+    metric = load_metrics(config.metrics)
+    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+
+    # --- how long: counted in optimiser steps, each seeing the same global batch on any process count ---
+    accumulation = accelerator.gradient_accumulation_steps
+    steps_per_epoch = len(train_loader) // accumulation  # a trailing partial window is skipped, see distributed.py
+    total_steps = config.max_steps if config.max_steps > 0 else math.ceil(config.num_train_epochs * steps_per_epoch)
+    global_batch = config.per_device_train_batch_size * accelerator.num_processes * accumulation
+    lr_scheduler = build_scheduler(optimizer, config, total_steps)  # stepped by us, once per optimiser step
+    accelerator.register_for_checkpointing(lr_scheduler)
+
+    # --- the run directory and trackers: only now that all input has been validated ---
+    output_dir = prepare_output_dir(accelerator, config)
+    start_tracking(accelerator, config)
+    log_metrics(accelerator, {
+        "setup/parameters": sum(p.numel() for p in model.parameters()),
+        "setup/world_size": accelerator.num_processes,
+        "setup/global_batch": global_batch,
+        "setup/gradient_accumulation": accumulation,
+        "setup/device": str(accelerator.device),
+    }, step=0)  # fmt: skip
+
+    # --- train ---
+    step, epoch = 0, 0
+    loss_sum = torch.zeros((), device=accelerator.device)  # summed on device: no host sync per step
+    loss_count = 0
+    log_start = time.perf_counter()
+    progress = progress_bar(accelerator, total_steps)
+    model.train()
+    while step < total_steps:
+        train_loader.set_epoch(epoch)  # the seedable sampler's permutation for this epoch
+        for inputs, labels in islice(train_loader, steps_per_epoch * accumulation):
+            with accelerator.accumulate(model):
+                loss = F.cross_entropy(model(inputs), labels)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and config.max_grad_norm > 0:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+                optimizer.step()  # a no-op inside the accumulation window
+                optimizer.zero_grad(set_to_none=True)
+            loss_sum += loss.detach()
+            loss_count += 1
+            if not accelerator.sync_gradients:
+                continue
+
+            # --- one optimiser step done ---
+            lr_scheduler.step()
+            step += 1
+            progress.update()
+            if step % config.logging_steps == 0 or step == total_steps:
+                elapsed = time.perf_counter() - log_start
+                train_loss = accelerator.reduce(loss_sum / loss_count, reduction="mean").item()
+                metrics = {
+                    "train/loss": train_loss,
+                    "train/lr": lr_scheduler.get_last_lr()[0],
+                    "epoch": step / steps_per_epoch,
+                    "train/samples_per_s": loss_count / accumulation * global_batch / elapsed,
+                }
+                if config.max_grad_norm > 0:
+                    metrics["train/grad_norm"] = grad_norm.item()
+                log_metrics(accelerator, metrics, step)
+                progress.set_postfix(loss=f"{train_loss:.4f}")
+                loss_sum.zero_()
+                loss_count = 0
+                log_start = time.perf_counter()
+            if step % config.eval_steps == 0 and step != total_steps:
+                log_metrics(accelerator, evaluate(model, eval_loader, metric, accelerator), step)
+            if step >= total_steps:
+                break
+        epoch += 1
+    progress.close()
+
+    # --- final evaluation and model ---
+    final_metrics = evaluate(model, eval_loader, metric, accelerator)
+    log_metrics(accelerator, final_metrics, step)
+    model_dir = save_final_model(accelerator, model, output_dir)
+    logger.info("model saved to %s; metrics in %s", model_dir, output_dir / "metrics.jsonl")
+    accelerator.end_training()
+    return final_metrics
+
+
+@torch.no_grad()
+def evaluate(model, eval_loader, metric, accelerator) -> dict:
+    """Exact metrics over the whole eval split: every process gathers all predictions, padding dropped."""
+    model.eval()
+    loss_sum = torch.zeros((), device=accelerator.device)
+    num_samples = 0
+    for inputs, labels in eval_loader:
+        logits = model(inputs)
+        losses = F.cross_entropy(logits, labels, reduction="none")
+        predictions, labels, losses = accelerator.gather_for_metrics((logits.argmax(dim=-1), labels, losses))
+        metric.add_batch(predictions=predictions.cpu().numpy(), references=labels.cpu().numpy())
+        loss_sum += losses.sum()
+        num_samples += labels.numel()
+    model.train()
+    scores = {f"eval/{name}": value for name, value in metric.compute().items()}
+    return {"eval/loss": loss_sum.item() / num_samples, **scores, "eval/num_samples": num_samples}
+
+
+if __name__ == "__main__":
+    exit_on_usage_error(main)()
