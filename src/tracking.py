@@ -47,7 +47,7 @@ class JsonlTracker(GeneralTracker):
         return self.file
 
     def start(self):  # called by init_trackers on the main process only
-        self.file = open(self.path, "a", buffering=1)  # line-buffered: a killed run keeps every logged line
+        self.file = open(self.path, "a", buffering=1)  # noqa: SIM115 (closed in finish); line-buffered: a kill keeps every line
 
     def log(self, values: dict, step: int | None = None, **kwargs):
         self.file.write(json.dumps({"step": step, **values}) + "\n")

@@ -17,5 +17,5 @@ class Accuracy(evaluate.Metric):
         )
 
     def _compute(self, predictions, references):
-        correct = sum(int(p == r) for p, r in zip(predictions, references))
+        correct = sum(int(p == r) for p, r in zip(predictions, references, strict=True))
         return {"accuracy": correct / len(references) if references else 0.0}
