@@ -16,11 +16,19 @@ from itertools import islice
 import torch
 import torch.nn.functional as F
 
-from src.checkpoint import prepare_output_dir, save_final_model
+from src.checkpoint import (
+    PreemptionSignals,
+    TrainerState,
+    find_resume_checkpoint,
+    load_checkpoint,
+    prepare_output_dir,
+    save_checkpoint,
+    save_final_model,
+)
 from src.config import TrainConfig, parse_config
 from src.data import build_dataloaders
 from src.distributed import build_accelerator, sync_batchnorm
-from src.errors import exit_on_usage_error
+from src.errors import TrainingPreempted, command_line
 from src.metrics import load_metrics
 from src.model import build_model
 from src.optim import build_optimizer, build_scheduler
@@ -55,27 +63,37 @@ def main(args: list[str] | TrainConfig | None = None) -> dict:
     lr_scheduler = build_scheduler(optimizer, config, total_steps)  # stepped by us, once per optimiser step
     accelerator.register_for_checkpointing(lr_scheduler)
 
+    # --- resume: weights, optimiser, scheduler and RNG from the checkpoint; the data position from the step ---
+    checkpoint = find_resume_checkpoint(config)
+    state = TrainerState(global_batch=global_batch, world_size=accelerator.num_processes)
+    if checkpoint:
+        state = load_checkpoint(accelerator, checkpoint, global_batch)
+        logger.info("resuming from %s at step %d", checkpoint, state.step)
+
     # --- the run directory and trackers: only now that all input has been validated ---
-    output_dir = prepare_output_dir(accelerator, config)
-    start_tracking(accelerator, config)
+    output_dir = prepare_output_dir(accelerator, config, resume_step=state.step if checkpoint else None)
+    state.tracker_run_id = start_tracking(accelerator, config, resume_run_id=state.tracker_run_id)
     log_metrics(accelerator, {
         "setup/parameters": sum(p.numel() for p in model.parameters()),
         "setup/world_size": accelerator.num_processes,
         "setup/global_batch": global_batch,
         "setup/gradient_accumulation": accumulation,
         "setup/device": str(accelerator.device),
-    }, step=0)  # fmt: skip
+    }, step=state.step)  # fmt: skip
 
     # --- train ---
-    step, epoch = 0, 0
-    loss_sum = torch.zeros((), device=accelerator.device)  # summed on device: no host sync per step
-    loss_count = 0
+    step = state.step
+    loss_sum = torch.tensor(state.loss_sum, device=accelerator.device)  # summed on device: no host sync per step
+    loss_count = state.loss_count
     log_start = time.perf_counter()
-    progress = progress_bar(accelerator, total_steps)
+    preemption = PreemptionSignals(accelerator)
+    progress = progress_bar(accelerator, total_steps, initial=step)
     model.train()
     while step < total_steps:
+        epoch, steps_done_in_epoch = divmod(step, steps_per_epoch)
         train_loader.set_epoch(epoch)  # the seedable sampler's permutation for this epoch
-        for inputs, labels in islice(train_loader, steps_per_epoch * accumulation):
+        batches = accelerator.skip_first_batches(train_loader, steps_done_in_epoch * accumulation)
+        for inputs, labels in islice(batches, (steps_per_epoch - steps_done_in_epoch) * accumulation):
             with accelerator.accumulate(model):
                 loss = F.cross_entropy(model(inputs), labels)
                 accelerator.backward(loss)
@@ -110,10 +128,17 @@ def main(args: list[str] | TrainConfig | None = None) -> dict:
                 log_start = time.perf_counter()
             if step % config.eval_steps == 0 and step != total_steps:
                 log_metrics(accelerator, evaluate(model, eval_loader, metric, accelerator), step)
+            preempted = preemption.requested()
+            if preempted or step == total_steps or (config.save_steps and step % config.save_steps == 0):
+                state.step, state.loss_count = step, loss_count
+                state.loss_sum = accelerator.reduce(loss_sum, reduction="mean").item()  # the window so far
+                saved = save_checkpoint(accelerator, config, state)
+                if preempted:
+                    raise TrainingPreempted(f"checkpoint {saved} saved; run the same command to resume")
             if step >= total_steps:
                 break
-        epoch += 1
     progress.close()
+    preemption.restore()
 
     # --- final evaluation and model ---
     final_metrics = evaluate(model, eval_loader, metric, accelerator)
@@ -143,4 +168,4 @@ def evaluate(model, eval_loader, metric, accelerator) -> dict:
 
 
 if __name__ == "__main__":
-    exit_on_usage_error(main)()
+    command_line(main)()

@@ -14,8 +14,8 @@ if "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     echo "torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)') already installed"
 elif command -v nvidia-smi >/dev/null 2>&1; then
     pip install -q "torch==$TORCH_VERSION"
-else
-    pip install -q "torch==$TORCH_VERSION" --extra-index-url https://download.pytorch.org/whl/cpu
+else  # the CPU wheel from PyTorch's own index; its dependencies come from PyPI with the requirements below
+    pip install -q --no-deps --retries 2 "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu
 fi
 pip install -q -r requirements.txt -r requirements-dev.txt
 echo "ready: $VENV ($("$VENV/bin/python" -c 'import torch, accelerate; print(f"torch {torch.__version__}, accelerate {accelerate.__version__}")'))"

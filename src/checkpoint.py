@@ -1,34 +1,94 @@
-"""The run directory: refuse to clobber a previous run, write the resolved config, save the final model."""
+"""The run directory, checkpoints and exact resume, preemption signals, the final model.
 
+A checkpoint is `output_dir/checkpoints/step_<N>/`: `accelerator.save_state` (model, optimiser, LR scheduler,
+every process's RNG states) plus `trainer_state.json` (step, partial loss window, batch geometry, tracker run id)
+and the resolved `config.yaml`. It is written under a temporary name and renamed when complete, so a kill during
+a write never leaves a "latest" that fails to load. The position in the data needs no saving: with the seedable
+sampler it follows from the step (epoch = step // steps_per_epoch, then skip the batches already seen).
+"""
+
+import json
+import logging
+import os
 import shutil
+import signal
+from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import torch
 
 from src.config import TrainConfig, save_config
 from src.errors import UsageError
 
+logger = logging.getLogger(__name__)
+
 # What a run writes into output_dir; --overwrite_output_dir removes exactly these, nothing else of the user's.
 RUN_ARTIFACTS = ("metrics.jsonl", "config.yaml", "checkpoints", "model", "wandb")
+STATE_FILE = "trainer_state.json"
+TMP_PREFIX = ".tmp_"
 
 
-def prepare_output_dir(accelerator, config: TrainConfig) -> Path:
-    """Every process checks, then the main process writes: a refused run leaves no process behind or file changed."""
+@dataclass
+class TrainerState:
+    """What `save_state` does not hold. `loss_sum` is the partial logging window, already averaged over processes."""
+
+    step: int = 0
+    loss_sum: float = 0.0
+    loss_count: int = 0
+    global_batch: int = 0
+    world_size: int = 1
+    tracker_run_id: str | None = None
+
+
+# --- the run directory ---
+
+
+def find_resume_checkpoint(config: TrainConfig) -> Path | None:
+    """`--resume_from_checkpoint latest | <path>` -> a complete checkpoint, or None to start fresh."""
+    if not config.resume_from_checkpoint:
+        return None
+    if config.resume_from_checkpoint == "latest":
+        complete = complete_checkpoints(Path(config.output_dir))
+        if not complete:
+            logger.info("no checkpoint in %s yet: starting fresh", Path(config.output_dir) / "checkpoints")
+        return complete[-1] if complete else None
+    path = Path(config.resume_from_checkpoint)
+    if not (path / STATE_FILE).is_file():
+        raise UsageError(
+            f"--resume_from_checkpoint {path} is not a complete checkpoint (no {STATE_FILE}); "
+            f"use a checkpoints/step_<N> folder or 'latest'"
+        )
+    return path
+
+
+def prepare_output_dir(accelerator, config: TrainConfig, resume_step: int | None) -> Path:
+    """Every process checks, then the main process writes: a refused run leaves every file as it was."""
     output_dir = Path(config.output_dir)
     artifacts = [*RUN_ARTIFACTS, config.project_name]  # tensorboard logs go to output_dir/project_name
     previous = [name for name in artifacts if (output_dir / name).exists()]
-    if previous and not config.overwrite_output_dir:
+    replacing = previous and resume_step is None
+    if replacing and not (config.overwrite_output_dir or config.resume_from_checkpoint == "latest"):
         raise UsageError(
-            f"{output_dir} already holds a run ({', '.join(previous)}); pass --overwrite_output_dir to replace it "
-            "or choose another --output_dir"
+            f"{output_dir} already holds a run ({', '.join(previous)}); continue it with --resume_from_checkpoint "
+            "latest, replace it with --overwrite_output_dir true, or choose another --output_dir"
         )
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        for name in previous:
-            path = output_dir / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        if replacing:  # a fresh start: nothing of the previous run's logs may mix into this one
+            logger.info("replacing the previous run in %s (%s)", output_dir, ", ".join(previous))
+            for name in previous:
+                remove(output_dir / name)
+        else:
+            truncate_metrics(output_dir, resume_step or 0)
+        remove_incomplete_checkpoints(output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, output_dir / "config.yaml")
     accelerator.wait_for_everyone()
     return output_dir
+
+
+def remove(path: Path) -> None:
+    shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 def save_final_model(accelerator, model, output_dir: Path) -> Path:
@@ -36,3 +96,115 @@ def save_final_model(accelerator, model, output_dir: Path) -> Path:
     model_dir = output_dir / "model"
     accelerator.save_model(model, model_dir, safe_serialization=True)
     return model_dir
+
+
+# --- checkpoints ---
+
+
+def checkpoint_step(path: Path) -> int:
+    return int(path.name.removeprefix("step_"))
+
+
+def complete_checkpoints(output_dir: Path) -> list[Path]:
+    """Oldest first. Only folders with a trainer state count: the rename happens after everything is written."""
+    root = output_dir / "checkpoints"
+    found = [p for p in root.glob("step_*") if (p / STATE_FILE).is_file()] if root.is_dir() else []
+    return sorted(found, key=checkpoint_step)
+
+
+def remove_incomplete_checkpoints(output_dir: Path) -> None:
+    for path in sorted((output_dir / "checkpoints").glob(f"{TMP_PREFIX}*")):
+        logger.warning("removing %s: an incomplete checkpoint from an interrupted write", path)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def save_checkpoint(accelerator, config: TrainConfig, state: TrainerState) -> Path:
+    """All processes call this (DeepSpeed and FSDP save shards from every rank); it returns once the rename is done."""
+    root = Path(config.output_dir) / "checkpoints"
+    final = root / f"step_{state.step}"
+    partial = root / f"{TMP_PREFIX}step_{state.step}"
+    if accelerator.is_main_process:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(partial))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (partial / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
+        save_config(config, partial / "config.yaml")
+        if final.exists():  # re-saving a step (e.g. a resumed run that stops where it started)
+            shutil.rmtree(final)
+        os.replace(partial, final)  # atomic on one file system: the checkpoint appears whole or not at all
+        rotate_checkpoints(root.parent, config.save_total_limit)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def rotate_checkpoints(output_dir: Path, keep: int | None) -> None:
+    if keep:
+        for old in complete_checkpoints(output_dir)[:-keep]:
+            shutil.rmtree(old)
+
+
+def load_checkpoint(accelerator, path: Path, global_batch: int) -> TrainerState:
+    """Restore model, optimiser, scheduler and RNG states on every process; refuse an incompatible checkpoint."""
+    try:
+        state = TrainerState(**json.loads((path / STATE_FILE).read_text()))
+    except (ValueError, TypeError) as err:
+        raise UsageError(f"checkpoint {path} is corrupt ({STATE_FILE}: {err}); resume from another one") from err
+    if state.global_batch != global_batch:
+        raise UsageError(
+            f"checkpoint {path} was trained with a global batch of {state.global_batch}, this run has {global_batch}; "
+            f"set --global_batch_size {state.global_batch} to resume it"
+        )
+    try:
+        accelerator.load_state(str(path))
+    except (RuntimeError, KeyError, ValueError, OSError) as err:
+        message = " ".join(str(err).split())[:300]
+        raise UsageError(f"checkpoint {path} does not fit this model/optimiser or is damaged: {message}") from err
+    return state
+
+
+def truncate_metrics(output_dir: Path, step: int) -> None:
+    """A resumed run re-logs the steps after its checkpoint: drop them so metrics.jsonl has each step once."""
+    path = output_dir / "metrics.jsonl"
+    if path.exists():
+        lines = path.read_text().splitlines(keepends=True)
+        path.write_text("".join(line for line in lines if json.loads(line)["step"] <= step))
+
+
+# --- preemption ---
+
+
+class PreemptionSignals:
+    """SIGTERM / SIGUSR1 (SLURM's warning before the time limit) ask for a checkpoint at the next step boundary.
+
+    Processes may receive the signal at slightly different steps, so `requested()` is agreed on by all of them
+    (an all-reduce of the flag) before anyone starts saving; one process needs no agreement and no collective.
+    """
+
+    SIGNALS = ("SIGTERM", "SIGUSR1")
+
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+        self.received: str | None = None
+        self.previous = {}
+        for name in self.SIGNALS:
+            if hasattr(signal, name):
+                try:
+                    self.previous[name] = signal.signal(getattr(signal, name), self.handle)
+                except ValueError:  # not the main thread (e.g. some notebook runners): no handler
+                    pass
+
+    def handle(self, signum, frame):
+        self.received = signal.Signals(signum).name
+
+    def requested(self) -> bool:
+        if self.accelerator.num_processes == 1:
+            return self.received is not None
+        flag = torch.tensor(float(self.received is not None), device=self.accelerator.device)
+        return bool(self.accelerator.reduce(flag, reduction="sum").item())
+
+    def restore(self):
+        for name, handler in self.previous.items():
+            signal.signal(getattr(signal, name), handler)

@@ -64,6 +64,9 @@ class TrainConfig:
     # --- logging and evaluation (in optimiser steps) ---
     logging_steps: int = 10
     eval_steps: int = 100  # also evaluated once at the end
+    save_steps: int = 100  # a checkpoint every N optimiser steps, and one at the end; 0: only at the end
+    save_total_limit: int | None = 2  # keep the newest N checkpoints; None keeps all
+    resume_from_checkpoint: str | None = None  # "latest" (or a fresh start if there is none) or a checkpoint path
     metrics: list[str] = field(default_factory=lambda: ["accuracy"])  # src/evaluate_metrics/<name> or a path
 
     def __post_init__(self):
@@ -84,11 +87,12 @@ class TrainConfig:
         ]
         problems += [
             f"--{name} must be >= 0 (got {getattr(self, name)})"
-            for name in ("weight_decay", "warmup_steps", "max_grad_norm", "dataloader_num_workers")
+            for name in ("weight_decay", "warmup_steps", "max_grad_norm", "dataloader_num_workers", "save_steps")
             if getattr(self, name) < 0
         ]
-        if self.global_batch_size is not None and self.global_batch_size <= 0:
-            problems.append(f"--global_batch_size must be > 0 (got {self.global_batch_size})")
+        for name in ("global_batch_size", "save_total_limit"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                problems.append(f"--{name} must be > 0 or null (got {getattr(self, name)})")
         if self.max_steps == 0 or self.max_steps < -1:
             problems.append(f"--max_steps must be > 0, or -1 to train for num_train_epochs (got {self.max_steps})")
         if self.dataset_name is None and not self.data_files:

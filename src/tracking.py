@@ -61,14 +61,17 @@ def build_trackers(config: TrainConfig) -> list:
     return [JsonlTracker(Path(config.output_dir) / "metrics.jsonl"), *config.report_to]
 
 
-def start_tracking(accelerator, config: TrainConfig) -> None:
+def start_tracking(accelerator, config: TrainConfig, resume_run_id: str | None = None) -> str | None:
+    """Start one tracker run (main process); a resumed run continues its wandb run. Returns the wandb run id."""
+    wandb_kwargs = {"name": config.run_name, "dir": config.output_dir}
     if "wandb" in config.report_to:
         configure_wandb(config)
-    accelerator.init_trackers(
-        config.project_name,
-        config=loggable(config.to_dict()),
-        init_kwargs={"wandb": {"name": config.run_name, "dir": config.output_dir}},
-    )
+        if resume_run_id:
+            wandb_kwargs |= {"id": resume_run_id, "resume": "allow"}
+    accelerator.init_trackers(config.project_name, config=loggable(config.to_dict()), init_kwargs={"wandb": wandb_kwargs})
+    if "wandb" in config.report_to and accelerator.is_main_process:
+        return accelerator.get_tracker("wandb", unwrap=True).id
+    return resume_run_id
 
 
 def configure_wandb(config: TrainConfig) -> None:

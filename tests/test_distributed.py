@@ -70,9 +70,9 @@ import sys
 sys.path.insert(0, {repo!r})
 import src.distributed
 src.distributed.has_accelerator = lambda: True  # what a plain Accelerator() assumes on a GPU-less machine
-from src.errors import exit_on_usage_error
+from src.errors import command_line
 from train import main
-exit_on_usage_error(main)(sys.argv[1:])
+command_line(main)(sys.argv[1:])
 """
 
 

@@ -1,0 +1,149 @@
+"""Checkpoints and exact resume: a killed or preempted run continues as if nothing happened."""
+
+import json
+
+import pytest
+
+from src.errors import EXIT_PREEMPTED
+from tests.conftest import REPO, assert_ok, launch_command, read_metrics, run_command, series
+
+RUN = ["--max_steps", "60", "--logging_steps", "1", "--save_steps", "10", "--eval_steps", "25"]
+
+# train.py run through a wrapper that injects a failure at a given step, then the normal command line.
+WRAPPER = """
+import os, signal, sys
+sys.path.insert(0, {repo!r})
+import train
+import src.checkpoint
+from src.errors import command_line
+
+def at_step(step, metrics):
+    {hook}
+
+log_metrics = train.log_metrics
+def log_and_maybe_fail(accelerator, metrics, step):
+    log_metrics(accelerator, metrics, step)
+    if "train/loss" in metrics:
+        at_step(step, metrics)
+train.log_metrics = log_and_maybe_fail
+{extra}
+command_line(train.main)(sys.argv[1:])
+"""
+
+
+def run_with_hook(tmp_path, args, hook="pass", extra="", processes=1):
+    script = tmp_path / "wrapped_train.py"
+    script.write_text(WRAPPER.format(repo=str(REPO), hook=hook, extra=extra))
+    command = [part if part != "train.py" else str(script) for part in launch_command(processes)]
+    return run_command([*command, *args])
+
+
+def train_losses(output_dir):
+    rows = read_metrics(output_dir)
+    steps = [row["step"] for row in rows if "train/loss" in row]
+    assert steps == sorted(set(steps)), "a step was logged twice"
+    return series(rows, "train/loss"), series(rows, "eval/accuracy")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    runs = {}
+    for processes in (1, 2):
+        output_dir = tmp_path_factory.mktemp(f"full{processes}") / "run"
+        assert_ok(run_with_hook(output_dir.parent, [*RUN, "--output_dir", str(output_dir)], processes=processes))
+        runs[processes] = train_losses(output_dir)
+    return runs
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(tmp_path, uninterrupted, processes):
+    """22 steps per epoch: the kill at step 27 resumes from step_20, in the middle of epoch 0."""
+    out = tmp_path / "run"
+    args = [*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "latest"]
+    killed = run_with_hook(tmp_path, args, "if step == 27: os.kill(os.getpid(), signal.SIGKILL)", processes=processes)
+    assert killed.returncode != 0
+    assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step_10", "step_20"]
+
+    resumed = run_with_hook(tmp_path, args, processes=processes)  # the very same command
+    assert_ok(resumed)
+    assert "resuming from" in resumed.stdout + resumed.stderr
+    losses, accuracy = train_losses(out)
+    expected_losses, expected_accuracy = uninterrupted[processes]
+    assert list(losses) == list(expected_losses) == list(range(1, 61))
+    if processes == 1:
+        assert losses == expected_losses  # bit for bit
+    else:
+        assert max(abs(losses[s] - expected_losses[s]) for s in losses) <= 1e-5
+    assert accuracy == expected_accuracy
+    assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step_50", "step_60"]  # save_total_limit 2
+
+
+def test_sigterm_on_one_process_saves_on_all_and_exits_75(tmp_path, uninterrupted):
+    out = tmp_path / "run"
+    args = [*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "latest"]
+    hook = "if step == 33 and os.environ.get('RANK', '0') == '0': os.kill(os.getpid(), signal.SIGTERM)"
+    preempted = run_with_hook(tmp_path, args, hook, processes=2)
+    assert preempted.returncode != 0
+    assert f"exit code {EXIT_PREEMPTED}" in preempted.stderr or f"exitcode  : {EXIT_PREEMPTED}" in preempted.stderr
+    assert "preempted: checkpoint" in preempted.stderr
+    assert (out / "checkpoints" / "step_33" / "trainer_state.json").exists()
+    assert json.loads((out / "checkpoints" / "step_33" / "trainer_state.json").read_text())["step"] == 33
+
+    assert_ok(run_with_hook(tmp_path, args, processes=2))
+    losses, _ = train_losses(out)
+    expected, _ = uninterrupted[2]
+    assert list(losses) == list(expected)
+    assert max(abs(losses[s] - expected[s]) for s in losses) <= 1e-5
+
+
+def test_sigterm_single_process_exit_code(tmp_path):
+    out = tmp_path / "run"
+    hook = "if step == 5: os.kill(os.getpid(), signal.SIGTERM)"
+    result = run_with_hook(tmp_path, [*RUN, "--output_dir", str(out)], hook)
+    assert result.returncode == EXIT_PREEMPTED
+    assert result.stderr.strip().splitlines()[-1].startswith("preempted: checkpoint")
+    assert (out / "checkpoints" / "step_5").is_dir()
+
+
+def test_kill_during_checkpoint_write_resumes_from_previous(tmp_path, uninterrupted):
+    out = tmp_path / "run"
+    args = [*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "latest"]
+    die_in_rename = """
+replace = src.checkpoint.os.replace
+def replace_or_die(src_path, dst_path):
+    if str(dst_path).endswith("step_30"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    replace(src_path, dst_path)
+src.checkpoint.os.replace = replace_or_die
+"""
+    killed = run_with_hook(tmp_path, args, extra=die_in_rename)
+    assert killed.returncode != 0
+    assert (out / "checkpoints" / ".tmp_step_30").is_dir()  # fully written but never renamed
+
+    resumed = run_with_hook(tmp_path, args)
+    assert_ok(resumed)
+    assert "removing" in resumed.stderr + resumed.stdout and "incomplete checkpoint" in resumed.stderr + resumed.stdout
+    assert "at step 20" in resumed.stderr + resumed.stdout
+    assert not (out / "checkpoints" / ".tmp_step_30").exists()
+    assert train_losses(out)[0] == uninterrupted[1][0]
+
+
+def test_latest_without_checkpoint_starts_fresh(tmp_path):
+    out = tmp_path / "run"
+    result = run_command([*launch_command(1), "--max_steps", "3", "--output_dir", str(out), "--resume_from_checkpoint", "latest"])
+    assert_ok(result)
+    assert "starting fresh" in result.stdout + result.stderr
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_3"]
+
+
+def test_resume_with_other_global_batch_is_refused(tmp_path):
+    out = tmp_path / "run"
+    assert_ok(run_command([*launch_command(1), "--max_steps", "3", "--output_dir", str(out)]))
+    before = (out / "metrics.jsonl").read_text()
+    result = run_command(
+        [*launch_command(1), "--max_steps", "6", "--output_dir", str(out), "--resume_from_checkpoint", "latest",
+         "--global_batch_size", "128"]
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "global batch of 64, this run has 128" in result.stderr.strip().splitlines()[-1]
+    assert (out / "metrics.jsonl").read_text() == before
