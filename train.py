@@ -26,13 +26,13 @@ from src.checkpoint import (
     save_final_model,
 )
 from src.config import TrainConfig, parse_config
-from src.data import build_dataloaders
+from src.data import build_dataloaders, check_split_sizes
 from src.distributed import build_accelerator, sync_batchnorm
 from src.errors import TrainingPreempted, command_line
 from src.metrics import load_metrics
 from src.model import build_model
 from src.optim import build_optimizer, build_scheduler
-from src.tracking import build_trackers, log_metrics, progress_bar, setup_logging, start_tracking
+from src.tracking import LossWindow, build_trackers, log_metrics, progress_bar, setup_logging, start_tracking
 
 logger = logging.getLogger("train")
 
@@ -49,17 +49,18 @@ def main(args: list[str] | TrainConfig | None = None) -> dict:
     set_seed(config.seed)  # same seed on every process: identical initial weights, like a broadcast
 
     # --- data, model, optimiser, metric ---
+    accumulation = accelerator.gradient_accumulation_steps
+    global_batch = config.per_device_train_batch_size * accelerator.num_processes * accumulation
     train_loader, eval_loader = build_dataloaders(config)
+    check_split_sizes(train_loader, eval_loader, global_batch, accelerator.num_processes)
     model = sync_batchnorm(build_model(config), accelerator)
     optimizer = build_optimizer(model, config)
     metric = load_metrics(config.metrics)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
 
     # --- how long: counted in optimiser steps, each seeing the same global batch on any process count ---
-    accumulation = accelerator.gradient_accumulation_steps
     steps_per_epoch = len(train_loader) // accumulation  # a trailing partial window is skipped, see distributed.py
     total_steps = config.max_steps if config.max_steps > 0 else math.ceil(config.num_train_epochs * steps_per_epoch)
-    global_batch = config.per_device_train_batch_size * accelerator.num_processes * accumulation
     lr_scheduler = build_scheduler(optimizer, config, total_steps)  # stepped by us, once per optimiser step
     accelerator.register_for_checkpointing(lr_scheduler)
 
@@ -83,8 +84,9 @@ def main(args: list[str] | TrainConfig | None = None) -> dict:
 
     # --- train ---
     step = state.step
-    loss_sum = torch.tensor(state.loss_sum, device=accelerator.device)  # summed on device: no host sync per step
-    loss_count = state.loss_count
+    losses = LossWindow(accelerator, config.logging_steps * accumulation, accumulation, config.skip_nonfinite_batches)
+    losses.load(state.loss_window, state.window_first_step)
+    skipped_steps = 0
     log_start = time.perf_counter()
     preemption = PreemptionSignals(accelerator)
     progress = progress_bar(accelerator, total_steps, initial=step)
@@ -97,12 +99,14 @@ def main(args: list[str] | TrainConfig | None = None) -> dict:
             with accelerator.accumulate(model):
                 loss = F.cross_entropy(model(inputs), labels)
                 accelerator.backward(loss)
-                if accelerator.sync_gradients and config.max_grad_norm > 0:
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+                if accelerator.sync_gradients:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm or math.inf)
+                    if config.skip_nonfinite_batches and not torch.isfinite(grad_norm):  # a host sync: opt-in
+                        optimizer.zero_grad(set_to_none=True)  # same on every process: the norm is all-reduced
+                        skipped_steps += 1
                 optimizer.step()  # a no-op inside the accumulation window
                 optimizer.zero_grad(set_to_none=True)
-            loss_sum += loss.detach()
-            loss_count += 1
+            losses.add(loss)
             if not accelerator.sync_gradients:
                 continue
 
@@ -111,27 +115,24 @@ def main(args: list[str] | TrainConfig | None = None) -> dict:
             step += 1
             progress.update()
             if step % config.logging_steps == 0 or step == total_steps:
-                elapsed = time.perf_counter() - log_start
-                train_loss = accelerator.reduce(loss_sum / loss_count, reduction="mean").item()
-                metrics = {
+                samples_per_s = losses.count / accumulation * global_batch / (time.perf_counter() - log_start)
+                train_loss = losses.mean(next_step=step + 1)
+                log_metrics(accelerator, {
                     "train/loss": train_loss,
                     "train/lr": lr_scheduler.get_last_lr()[0],
+                    "train/grad_norm": grad_norm.item(),
+                    "train/samples_per_s": samples_per_s,
                     "epoch": step / steps_per_epoch,
-                    "train/samples_per_s": loss_count / accumulation * global_batch / elapsed,
-                }
-                if config.max_grad_norm > 0:
-                    metrics["train/grad_norm"] = grad_norm.item()
-                log_metrics(accelerator, metrics, step)
+                    **({"train/skipped_steps": skipped_steps} if config.skip_nonfinite_batches else {}),
+                }, step)  # fmt: skip
                 progress.set_postfix(loss=f"{train_loss:.4f}")
-                loss_sum.zero_()
-                loss_count = 0
                 log_start = time.perf_counter()
             if step % config.eval_steps == 0 and step != total_steps:
                 log_metrics(accelerator, evaluate(model, eval_loader, metric, accelerator), step)
             preempted = preemption.requested()
             if preempted or step == total_steps or (config.save_steps and step % config.save_steps == 0):
-                state.step, state.loss_count = step, loss_count
-                state.loss_sum = accelerator.reduce(loss_sum, reduction="mean").item()  # the window so far
+                state.step, state.preempted = step, preempted
+                state.loss_window, state.window_first_step = losses.state(), losses.first_step  # NaN check too
                 saved = save_checkpoint(accelerator, config, state)
                 if preempted:
                     raise TrainingPreempted(f"checkpoint {saved} saved; run the same command to resume")

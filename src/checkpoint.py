@@ -7,12 +7,13 @@ a write never leaves a "latest" that fails to load. The position in the data nee
 sampler it follows from the step (epoch = step // steps_per_epoch, then skip the batches already seen).
 """
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import signal
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,14 +31,15 @@ TMP_PREFIX = ".tmp_"
 
 @dataclass
 class TrainerState:
-    """What `save_state` does not hold. `loss_sum` is the partial logging window, already averaged over processes."""
+    """What `save_state` does not hold. `loss_window`: the losses since the last log, averaged over processes."""
 
     step: int = 0
-    loss_sum: float = 0.0
-    loss_count: int = 0
+    loss_window: list[float] = field(default_factory=list)
+    window_first_step: int = 1
     global_batch: int = 0
     world_size: int = 1
     tracker_run_id: str | None = None
+    preempted: bool = False  # saved because of SIGTERM/SIGUSR1: scripts/slurm requeue the job on it
 
 
 # --- the run directory ---
@@ -119,7 +121,11 @@ def remove_incomplete_checkpoints(output_dir: Path) -> None:
 
 
 def save_checkpoint(accelerator, config: TrainConfig, state: TrainerState) -> Path:
-    """All processes call this (DeepSpeed and FSDP save shards from every rank); it returns once the rename is done."""
+    """All processes call this (DeepSpeed and FSDP save shards from every rank); it returns once the rename is done.
+
+    A failed write (disk full, quota) on any process is agreed on by all, the partial folder is removed, and the
+    run stops with an error: the previous checkpoints were never touched.
+    """
     root = Path(config.output_dir) / "checkpoints"
     final = root / f"step_{state.step}"
     partial = root / f"{TMP_PREFIX}step_{state.step}"
@@ -127,17 +133,36 @@ def save_checkpoint(accelerator, config: TrainConfig, state: TrainerState) -> Pa
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(partial))
-    accelerator.wait_for_everyone()
+    failure = None
+    try:
+        accelerator.save_state(str(partial))
+        if accelerator.is_main_process:
+            (partial / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
+            save_config(config, partial / "config.yaml")
+    except OSError as err:
+        failure = err
+    if not all_processes_agree(accelerator, failure is None):
+        if accelerator.is_main_process:
+            shutil.rmtree(partial, ignore_errors=True)
+        reason = f"{type(failure).__name__}: {failure}" if failure else "failed on another process"
+        raise UsageError(
+            f"could not write checkpoint {final} ({reason}); the previous checkpoints are intact. "
+            "Free disk space (or lower --save_total_limit) and resume with --resume_from_checkpoint latest"
+        )
     if accelerator.is_main_process:
-        (partial / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
-        save_config(config, partial / "config.yaml")
         if final.exists():  # re-saving a step (e.g. a resumed run that stops where it started)
             shutil.rmtree(final)
         os.replace(partial, final)  # atomic on one file system: the checkpoint appears whole or not at all
         rotate_checkpoints(root.parent, config.save_total_limit)
     accelerator.wait_for_everyone()
     return final
+
+
+def all_processes_agree(accelerator, ok: bool) -> bool:
+    if accelerator.num_processes == 1:
+        return ok
+    flag = torch.tensor(float(ok), device=accelerator.device)
+    return bool(accelerator.reduce(flag, reduction="sum").item() == accelerator.num_processes)
 
 
 def rotate_checkpoints(output_dir: Path, keep: int | None) -> None:
@@ -159,7 +184,7 @@ def load_checkpoint(accelerator, path: Path, global_batch: int) -> TrainerState:
         )
     try:
         accelerator.load_state(str(path))
-    except (RuntimeError, KeyError, ValueError, OSError) as err:
+    except Exception as err:  # torch, safetensors and pickle each raise their own kinds for a bad file
         message = " ".join(str(err).split())[:300]
         raise UsageError(f"checkpoint {path} does not fit this model/optimiser or is damaged: {message}") from err
     return state
@@ -190,20 +215,16 @@ class PreemptionSignals:
         self.received: str | None = None
         self.previous = {}
         for name in self.SIGNALS:
-            if hasattr(signal, name):
-                try:
-                    self.previous[name] = signal.signal(getattr(signal, name), self.handle)
-                except ValueError:  # not the main thread (e.g. some notebook runners): no handler
-                    pass
+            # ValueError outside the main thread (some notebook runners): then no handler, as before
+            with contextlib.suppress(ValueError, AttributeError):
+                self.previous[name] = signal.signal(getattr(signal, name), self.handle)
 
     def handle(self, signum, frame):
         self.received = signal.Signals(signum).name
 
     def requested(self) -> bool:
-        if self.accelerator.num_processes == 1:
-            return self.received is not None
-        flag = torch.tensor(float(self.received is not None), device=self.accelerator.device)
-        return bool(self.accelerator.reduce(flag, reduction="sum").item())
+        """True on every process once any process has received a signal."""
+        return not all_processes_agree(self.accelerator, self.received is None)
 
     def restore(self):
         for name, handler in self.previous.items():

@@ -60,6 +60,7 @@ class TrainConfig:
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "cosine"
     warmup_steps: int = 20
     max_grad_norm: float = 1.0  # 0 disables clipping
+    skip_nonfinite_batches: bool = False  # skip optimiser steps whose gradient is NaN/inf instead of stopping
 
     # --- logging and evaluation (in optimiser steps) ---
     logging_steps: int = 10
@@ -135,7 +136,9 @@ def parse_config(argv: list[str] | None) -> TrainConfig:
     """Defaults <- `--config file.yaml` <- `--field value` flags, type-checked; bad input raises UsageError."""
     from jsonargparse import ActionConfigFile, ArgumentParser
 
-    parser = ArgumentParser(description="Train a model with Hugging Face Accelerate.", exit_on_error=False)
+    parser = ArgumentParser(
+        description="Train a model with Hugging Face Accelerate.", exit_on_error=False, allow_abbrev=False
+    )
     parser.add_argument("--config", action=ActionConfigFile, help="YAML file with any of the fields below")
     parser.add_class_arguments(TrainConfig, as_group=False)
     try:

@@ -128,3 +128,18 @@ def build_dataloaders(config: TrainConfig) -> tuple[DataLoader, DataLoader]:
         eval_set, batch_size=config.per_device_eval_batch_size, num_workers=config.dataloader_num_workers
     )
     return train_loader, eval_loader
+
+
+def check_split_sizes(train_loader: DataLoader, eval_loader: DataLoader, global_batch: int, num_processes: int) -> None:
+    """Before `prepare`: a train split without one global batch, or fewer eval samples than processes, is an error."""
+    train_size, eval_size = len(train_loader.dataset), len(eval_loader.dataset)
+    if train_size < global_batch:
+        raise UsageError(
+            f"the train split has {train_size} samples, fewer than one global batch of {global_batch}; "
+            "lower --global_batch_size / --per_device_train_batch_size or use more data"
+        )
+    if eval_size < num_processes:
+        raise UsageError(
+            f"the eval split has {eval_size} samples, fewer than the {num_processes} processes; "
+            "use a larger eval split or fewer processes"
+        )

@@ -12,9 +12,11 @@ import os
 import sys
 from pathlib import Path
 
+import torch
 from accelerate.tracking import GeneralTracker
 
 from src.config import TrainConfig
+from src.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +70,9 @@ def start_tracking(accelerator, config: TrainConfig, resume_run_id: str | None =
         configure_wandb(config)
         if resume_run_id:
             wandb_kwargs |= {"id": resume_run_id, "resume": "allow"}
-    accelerator.init_trackers(config.project_name, config=loggable(config.to_dict()), init_kwargs={"wandb": wandb_kwargs})
+    accelerator.init_trackers(
+        config.project_name, config=loggable(config.to_dict()), init_kwargs={"wandb": wandb_kwargs}
+    )
     if "wandb" in config.report_to and accelerator.is_main_process:
         return accelerator.get_tracker("wandb", unwrap=True).id
     return resume_run_id
@@ -117,3 +121,51 @@ def progress_bar(accelerator, total: int, initial: int = 0):
 
     enabled = accelerator.is_main_process and sys.stdout.isatty()
     return tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True)
+
+
+class LossWindow:
+    """The training losses since the last log line, one per micro-batch, kept on the device (no host sync per step).
+
+    `mean()` averages them over all processes at log time. A NaN/inf loss stops the run there, naming the step it
+    first appeared at (before any checkpoint could save the damaged weights), unless `skip_nonfinite` is set: then
+    such values are left out of the mean (the train loop skips their optimiser steps).
+    """
+
+    def __init__(self, accelerator, capacity: int, accumulation: int, skip_nonfinite: bool):
+        self.accelerator = accelerator
+        self.values = torch.zeros(capacity, device=accelerator.device)
+        self.accumulation = accumulation
+        self.skip_nonfinite = skip_nonfinite
+        self.count = 0
+        self.first_step = 1  # the optimiser step the first value in the window belongs to
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.values[self.count] = loss.detach()
+        self.count += 1
+
+    def reduced(self) -> torch.Tensor:
+        """The window's values, each averaged over processes; raises on a non-finite one unless skipping."""
+        window = self.accelerator.reduce(self.values[: self.count].clone(), reduction="mean")
+        finite = torch.isfinite(window)
+        if not self.skip_nonfinite and not bool(finite.all()):
+            bad_step = self.first_step + int((~finite).nonzero()[0]) // self.accumulation
+            raise UsageError(
+                f"the training loss became NaN/inf at step {bad_step}; the last checkpoint before it is intact. "
+                "Lower --learning_rate, check the data, or pass --skip_nonfinite_batches true to skip such batches"
+            )
+        return window[finite]
+
+    def mean(self, next_step: int) -> float:
+        """Mean over the window and all processes; empties the window."""
+        window = self.reduced()
+        self.count, self.first_step = 0, next_step
+        return window.mean().item() if window.numel() else float("nan")
+
+    def state(self) -> list[float]:
+        return self.reduced().tolist()
+
+    def load(self, values: list[float], first_step: int) -> None:
+        if len(values) > len(self.values):  # resumed with a smaller --logging_steps
+            self.values = torch.zeros(len(values), device=self.values.device)
+        self.values[: len(values)] = torch.tensor(values, device=self.values.device)
+        self.count, self.first_step = len(values), first_step

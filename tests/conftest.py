@@ -70,3 +70,33 @@ def assert_ok(result: subprocess.CompletedProcess) -> None:
 @pytest.fixture
 def out(tmp_path) -> Path:
     return tmp_path / "run"
+
+
+# train.py run through a wrapper that can inject a failure at a step (`hook`, with `step` and `metrics` in scope)
+# or patch a function before training (`extra`), then the normal command line.
+WRAPPER = """
+import os, signal, sys
+sys.path.insert(0, {repo!r})
+import train
+import src.checkpoint
+from src.errors import command_line
+
+def at_step(step, metrics):
+    {hook}
+
+log_metrics = train.log_metrics
+def log_and_maybe_fail(accelerator, metrics, step):
+    log_metrics(accelerator, metrics, step)
+    if "train/loss" in metrics:
+        at_step(step, metrics)
+train.log_metrics = log_and_maybe_fail
+{extra}
+command_line(train.main)(sys.argv[1:])
+"""
+
+
+def run_with_hook(tmp_path: Path, args: list[str], hook: str = "pass", extra: str = "", processes: int = 1, **kwargs):
+    script = tmp_path / "wrapped_train.py"
+    script.write_text(WRAPPER.format(repo=str(REPO), hook=hook, extra=extra))
+    command = [part if part != "train.py" else str(script) for part in launch_command(processes)]
+    return run_command([*command, *args], **kwargs)

@@ -5,37 +5,9 @@ import json
 import pytest
 
 from src.errors import EXIT_PREEMPTED
-from tests.conftest import REPO, assert_ok, launch_command, read_metrics, run_command, series
+from tests.conftest import assert_ok, launch_command, read_metrics, run_command, run_with_hook, series
 
 RUN = ["--max_steps", "60", "--logging_steps", "1", "--save_steps", "10", "--eval_steps", "25"]
-
-# train.py run through a wrapper that injects a failure at a given step, then the normal command line.
-WRAPPER = """
-import os, signal, sys
-sys.path.insert(0, {repo!r})
-import train
-import src.checkpoint
-from src.errors import command_line
-
-def at_step(step, metrics):
-    {hook}
-
-log_metrics = train.log_metrics
-def log_and_maybe_fail(accelerator, metrics, step):
-    log_metrics(accelerator, metrics, step)
-    if "train/loss" in metrics:
-        at_step(step, metrics)
-train.log_metrics = log_and_maybe_fail
-{extra}
-command_line(train.main)(sys.argv[1:])
-"""
-
-
-def run_with_hook(tmp_path, args, hook="pass", extra="", processes=1):
-    script = tmp_path / "wrapped_train.py"
-    script.write_text(WRAPPER.format(repo=str(REPO), hook=hook, extra=extra))
-    command = [part if part != "train.py" else str(script) for part in launch_command(processes)]
-    return run_command([*command, *args])
 
 
 def train_losses(output_dir):
@@ -130,7 +102,9 @@ src.checkpoint.os.replace = replace_or_die
 
 def test_latest_without_checkpoint_starts_fresh(tmp_path):
     out = tmp_path / "run"
-    result = run_command([*launch_command(1), "--max_steps", "3", "--output_dir", str(out), "--resume_from_checkpoint", "latest"])
+    result = run_command(
+        [*launch_command(1), "--max_steps", "3", "--output_dir", str(out), "--resume_from_checkpoint", "latest"]
+    )
     assert_ok(result)
     assert "starting fresh" in result.stdout + result.stderr
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_3"]

@@ -1,0 +1,205 @@
+"""Bad input costs one glance: an `error:` line naming the problem and the fix, exit code 2, nothing written."""
+
+import re
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from src.errors import EXIT_INTERRUPTED, EXIT_USAGE
+from tests.conftest import QUICK, REPO, assert_ok, read_metrics, run_command, run_train, run_with_hook
+
+DIGITS = REPO / "data" / "digits"
+
+
+def data_files(tmp_path, frame: pd.DataFrame, eval_frame: pd.DataFrame | None = None) -> list[str]:
+    train, evals = tmp_path / "train.parquet", tmp_path / "eval.parquet"
+    frame.to_parquet(train)
+    (frame if eval_frame is None else eval_frame).to_parquet(evals)
+    return ["--data_files", f"{{train: {train}, eval: {evals}}}"]
+
+
+def digits(split: str = "train") -> pd.DataFrame:
+    return pd.read_parquet(DIGITS / f"{split}.parquet")
+
+
+def write(tmp_path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+# id -> (build the extra arguments from tmp_path, a regex the error line must match)
+CASES = {
+    "missing config file": (lambda t: ["--config", str(t / "nope.yaml")], r"File does not exist.*nope\.yaml"),
+    "invalid yaml": (lambda t: ["--config", write(t, "c.yaml", "lr: [1\n")], r"Problems parsing config"),
+    "unknown yaml key": (lambda t: ["--config", write(t, "c.yaml", "learning_rat: 1\n")], r"learning_rat"),
+    "unknown flag": (lambda t: ["--learning_rat", "1"], r"unrecognized arguments: --learning_rat"),
+    "wrong type": (lambda t: ["--max_steps", "many"], r"max_steps.*many"),
+    "zero batch size": (lambda t: ["--per_device_train_batch_size", "0"], r"--per_device_train_batch_size must be > 0"),
+    "negative lr": (lambda t: ["--learning_rate", "-1"], r"--learning_rate must be > 0"),
+    "zero steps": (lambda t: ["--max_steps", "0"], r"--max_steps must be > 0"),
+    "global batch not divisible": (lambda t: ["--global_batch_size", "48"], r"not divisible by per-device batch 32"),
+    "missing data file": (
+        lambda t: ["--data_files", f"{{train: {t}/none.parquet, eval: {t}/none.parquet}}"],
+        r"data file for split 'train' not found",
+    ),
+    "missing column": (lambda t: ["--label_column", "digit"], r"no column digit .*--label_column"),
+    "empty split": (lambda t: data_files(t, digits(), digits().head(0)), r"empty|could not read"),
+    "labels out of range": (lambda t: ["--num_labels", "5"], r"labels must lie in 0\.\.4 but range 0\.\.9"),
+    "hub dataset offline": (
+        lambda t: ["--dataset_name", "someone/not-cached", "--data_files", "null"],
+        r"not in the local cache and HF_HUB_OFFLINE",
+    ),
+    "unknown report_to": (lambda t: ["--report_to", "mlflow"], r"unknown --report_to mlflow"),
+    "resume from nothing": (
+        lambda t: ["--resume_from_checkpoint", str(t / "ckpt")],
+        r"not a complete checkpoint .*'latest'",
+    ),
+    "train split smaller than global batch": (
+        lambda t: data_files(t, digits().head(40)),
+        r"train split has 40 samples, fewer than one global batch of 64",
+    ),
+}
+
+
+def assert_usage_error(result, pattern: str) -> None:
+    assert result.returncode == EXIT_USAGE, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: "), result.stderr[-2000:]
+    assert re.search(pattern, last), last
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input(case, tmp_path):
+    build_args, pattern = CASES[case]
+    out = tmp_path / "run"
+    result = run_train(*QUICK, "--output_dir", str(out), *build_args(tmp_path))
+    assert_usage_error(result, pattern)
+    assert not out.exists()  # nothing written for a run that never started
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    result = run_train("--max_steps", "0", "--debug", "true")
+    assert result.returncode != 0 and "Traceback" in result.stderr
+
+
+def snapshot(directory):
+    return {p.relative_to(directory): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("done") / "run"
+    assert_ok(run_train(*QUICK, "--save_steps", "3", "--output_dir", str(out)))
+    return out
+
+
+@pytest.mark.parametrize(
+    "args, pattern",
+    [
+        ([], r"already holds a run .*--resume_from_checkpoint latest.*--overwrite_output_dir"),
+        (["--resume_from_checkpoint", "latest", "--norm", "none"], r"does not fit this model"),
+        (["--resume_from_checkpoint", "latest", "--global_batch_size", "128"], r"global batch of 64"),
+    ],
+)
+def test_existing_run_is_left_untouched(finished_run, args, pattern):
+    before = snapshot(finished_run)
+    result = run_train(*QUICK, "--output_dir", str(finished_run), *args)
+    assert_usage_error(result, pattern)
+    assert snapshot(finished_run) == before
+
+
+def test_corrupt_checkpoint(finished_run, tmp_path):
+    checkpoint = tmp_path / "step_3"
+    checkpoint.mkdir()
+    for source in (finished_run / "checkpoints" / "step_3").iterdir():
+        (checkpoint / source.name).write_bytes(source.read_bytes())
+    (checkpoint / "model.safetensors").write_bytes(b"garbage")
+    out = tmp_path / "run"
+    result = run_train(*QUICK, "--output_dir", str(out), "--resume_from_checkpoint", str(checkpoint))
+    assert_usage_error(result, r"checkpoint .*step_3 does not fit this model/optimiser or is damaged")
+    assert not out.exists()
+
+
+def nan_rows(frame: pd.DataFrame, rows: list[int]) -> pd.DataFrame:
+    pixels = [np.asarray(p, dtype=np.float32) for p in frame["pixels"]]
+    for row in rows:
+        pixels[row] = np.full(64, np.nan, dtype=np.float32)
+    return frame.assign(pixels=pixels)
+
+
+def test_nan_loss_stops_naming_the_step_and_keeps_the_checkpoint(tmp_path):
+    """Every sample is NaN from the 2nd epoch on, checked at the next log (step 25): the step named is 23."""
+    out = tmp_path / "run"
+    frame = nan_rows(digits(), list(range(len(digits()))))
+    clean = data_files(tmp_path, digits())
+    assert_ok(run_train("--max_steps", "22", "--save_steps", "10", "--output_dir", str(out), *clean))
+    (tmp_path / "nan").mkdir()
+    broken = data_files(tmp_path / "nan", frame, digits("eval"))
+    result = run_train("--max_steps", "40", "--logging_steps", "5", "--save_steps", "10", "--output_dir", str(out),
+                       "--resume_from_checkpoint", "latest", *broken)  # fmt: skip
+    assert_usage_error(result, r"loss became NaN/inf at step 23; the last checkpoint before it is intact")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_20", "step_22"]
+
+
+def test_skip_nonfinite_batches_trains_on(tmp_path):
+    out = tmp_path / "run"
+    frame = nan_rows(digits(), [0, 1, 2])  # 3 bad samples: the steps holding them are skipped
+    result = run_train("--max_steps", "44", "--logging_steps", "44", "--skip_nonfinite_batches", "true",
+                       "--output_dir", str(out), *data_files(tmp_path, frame, digits("eval")))  # fmt: skip
+    assert_ok(result)
+    last = read_metrics(out)[-2]
+    assert 1 <= last["train/skipped_steps"] <= 6  # each epoch puts the 3 bad samples into 1 to 3 steps
+    assert last["train/loss"] == last["train/loss"]  # finite mean of the good steps
+    assert read_metrics(out)[-1]["eval/accuracy"] > 0.5
+
+
+def test_disk_full_during_checkpoint_keeps_the_previous_one(tmp_path):
+    out = tmp_path / "run"
+    disk_full = """
+import errno
+import accelerate
+original = accelerate.Accelerator.save_state
+def save_or_fail(self, output_dir=None, **kwargs):
+    if output_dir.endswith("step_20"):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return original(self, output_dir, **kwargs)
+accelerate.Accelerator.save_state = save_or_fail
+"""
+    result = run_with_hook(tmp_path, [*QUICK, "--max_steps", "30", "--save_steps", "10", "--output_dir", str(out)],
+                           extra=disk_full)  # fmt: skip
+    assert_usage_error(result, r"could not write checkpoint .*step_20 \(OSError: .*No space left on device\)")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_10"]
+
+
+def test_ctrl_c_exits_cleanly(tmp_path):
+    out = tmp_path / "run"
+    result = run_with_hook(tmp_path, [*QUICK, "--max_steps", "30", "--output_dir", str(out)],
+                           hook="if step == 4: os.kill(os.getpid(), signal.SIGINT)")  # fmt: skip
+    assert result.returncode == EXIT_INTERRUPTED
+    assert result.stderr.strip().splitlines()[-1].startswith("interrupted")
+    assert "Traceback" not in result.stderr
+
+
+def test_broken_accelerate_config(tmp_path):
+    broken = write(tmp_path, "broken.yaml", "distributed_type: MULTI_GPUX\nnum_processes: 2\n")
+    result = run_command([sys.executable, "scripts/launch.py", "--config_file", broken, "train.py", *QUICK])
+    assert_usage_error(result, r"accelerate config .*broken\.yaml is invalid \('MULTI_GPUX' is not a valid")
+
+
+@pytest.mark.parametrize(
+    "build_args, pattern",
+    [
+        (lambda t: ["--data_files", f"{{train: {t}/none.parquet, eval: {t}/none.parquet}}"], "not found"),
+        (lambda t: data_files(t, digits(), digits("eval").head(1)), "eval split has 1 samples, fewer than the 2"),
+    ],
+)
+def test_two_processes_all_exit_within_30_s(tmp_path, build_args, pattern):
+    """No process is left waiting in a collective: the launcher returns before the 30 s timeout fails the test."""
+    result = run_train(*QUICK, "--output_dir", str(tmp_path / "run"), *build_args(tmp_path), processes=2, timeout=30)
+    assert result.returncode != 0
+    assert result.stderr.count("error: ") == 2 and pattern in result.stderr  # one line per process
+    assert not (tmp_path / "run").exists()
