@@ -10,7 +10,6 @@ Each plug point lives in src/: config.py, data.py, model.py, metrics.py, optim.p
 
 import logging
 import math
-import time
 from itertools import islice
 
 import torch
@@ -32,7 +31,17 @@ from src.errors import TrainingPreempted, command_line
 from src.metrics import load_metrics
 from src.model import build_model
 from src.optim import build_optimizer, build_scheduler
-from src.tracking import LossWindow, build_trackers, log_metrics, progress_bar, setup_logging, start_tracking
+from src.tracking import (
+    LossWindow,
+    StepTimer,
+    build_trackers,
+    log_metrics,
+    peak_memory_gb,
+    progress_bar,
+    setup_logging,
+    setup_metrics,
+    start_tracking,
+)
 
 logger = logging.getLogger("train")
 
@@ -74,20 +83,14 @@ def main(args: list[str] | TrainConfig | None = None) -> dict:
     # --- the run directory and trackers: only now that all input has been validated ---
     output_dir = prepare_output_dir(accelerator, config, resume_step=state.step if checkpoint else None)
     state.tracker_run_id = start_tracking(accelerator, config, resume_run_id=state.tracker_run_id)
-    log_metrics(accelerator, {
-        "setup/parameters": sum(p.numel() for p in model.parameters()),
-        "setup/world_size": accelerator.num_processes,
-        "setup/global_batch": global_batch,
-        "setup/gradient_accumulation": accumulation,
-        "setup/device": str(accelerator.device),
-    }, step=state.step)  # fmt: skip
+    log_metrics(accelerator, setup_metrics(accelerator, model, config, global_batch), step=state.step)
 
     # --- train ---
     step = state.step
     losses = LossWindow(accelerator, config.logging_steps * accumulation, accumulation, config.skip_nonfinite_batches)
     losses.load(state.loss_window, state.window_first_step)
     skipped_steps = 0
-    log_start = time.perf_counter()
+    timer = StepTimer()
     preemption = PreemptionSignals(accelerator)
     progress = progress_bar(accelerator, total_steps, initial=step)
     model.train()
@@ -115,25 +118,30 @@ def main(args: list[str] | TrainConfig | None = None) -> dict:
             step += 1
             progress.update()
             if step % config.logging_steps == 0 or step == total_steps:
-                samples_per_s = losses.count / accumulation * global_batch / (time.perf_counter() - log_start)
-                train_loss = losses.mean(next_step=step + 1)
+                steps_logged = losses.count // accumulation
+                train_loss = losses.mean(next_step=step + 1)  # waits for the device: time after it
+                step_time = timer.elapsed() / steps_logged
                 log_metrics(accelerator, {
                     "train/loss": train_loss,
                     "train/lr": lr_scheduler.get_last_lr()[0],
                     "train/grad_norm": grad_norm.item(),
-                    "train/samples_per_s": samples_per_s,
+                    "train/samples_per_s": global_batch / step_time,
+                    "train/step_time_s": step_time,
+                    "train/peak_memory_gb": peak_memory_gb(accelerator.device),
                     "epoch": step / steps_per_epoch,
                     **({"train/skipped_steps": skipped_steps} if config.skip_nonfinite_batches else {}),
                 }, step)  # fmt: skip
-                progress.set_postfix(loss=f"{train_loss:.4f}")
-                log_start = time.perf_counter()
+                progress.set_postfix(loss=f"{train_loss:.4f}", samples_per_s=f"{global_batch / step_time:.0f}")
+                timer.restart()
             if step % config.eval_steps == 0 and step != total_steps:
-                log_metrics(accelerator, evaluate(model, eval_loader, metric, accelerator), step)
+                with timer.paused():
+                    log_metrics(accelerator, evaluate(model, eval_loader, metric, accelerator), step)
             preempted = preemption.requested()
             if preempted or step == total_steps or (config.save_steps and step % config.save_steps == 0):
                 state.step, state.preempted = step, preempted
                 state.loss_window, state.window_first_step = losses.state(), losses.first_step  # NaN check too
-                saved = save_checkpoint(accelerator, config, state)
+                with timer.paused():
+                    saved = save_checkpoint(accelerator, config, state)
                 if preempted:
                     raise TrainingPreempted(f"checkpoint {saved} saved; run the same command to resume")
             if step >= total_steps:

@@ -26,6 +26,8 @@ class TrainConfig:
     seed: int = 42
     run_name: str | None = None
     project_name: str = "accelerate-template"  # wandb project / tensorboard folder
+    run_tags: list[str] = field(default_factory=list)  # wandb tags
+    run_group: str | None = None  # wandb group, e.g. one per sweep
     report_to: str | list[str] = "none"  # wandb, tensorboard, a list or "a,b", all, none; metrics.jsonl always
     debug: bool = False  # full tracebacks instead of one-line errors
 

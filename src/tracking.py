@@ -5,11 +5,15 @@ The rule lives here, once: `setup_logging` silences every other process's consol
 loop therefore never asks which rank it is on.
 """
 
+import contextlib
 import json
 import logging
 import netrc
 import os
+import resource
+import shutil
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -65,7 +69,12 @@ def build_trackers(config: TrainConfig) -> list:
 
 def start_tracking(accelerator, config: TrainConfig, resume_run_id: str | None = None) -> str | None:
     """Start one tracker run (main process); a resumed run continues its wandb run. Returns the wandb run id."""
-    wandb_kwargs = {"name": config.run_name, "dir": config.output_dir}
+    wandb_kwargs = {
+        "name": config.run_name,
+        "dir": config.output_dir,
+        "tags": config.run_tags,
+        "group": config.run_group,
+    }
     if "wandb" in config.report_to:
         configure_wandb(config)
         if resume_run_id:
@@ -103,6 +112,30 @@ def loggable(values: dict) -> dict:
     return {k: v if isinstance(v, (int, float, str, bool)) or v is None else str(v) for k, v in values.items()}
 
 
+def setup_metrics(accelerator, model, config: TrainConfig, global_batch: int) -> dict:
+    """Logged once per start: what a reader of the curves needs to know about the run."""
+    import accelerate
+
+    return {
+        "setup/parameters": sum(p.numel() for p in model.parameters()),
+        "setup/world_size": accelerator.num_processes,
+        "setup/per_device_batch": config.per_device_train_batch_size,
+        "setup/global_batch": global_batch,
+        "setup/gradient_accumulation": accelerator.gradient_accumulation_steps,
+        "setup/mixed_precision": accelerator.mixed_precision,
+        "setup/device": str(accelerator.device),
+        "setup/torch": torch.__version__,
+        "setup/accelerate": accelerate.__version__,
+    }
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak CUDA memory allocated on this process's GPU, or the process's peak resident memory elsewhere."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kilobytes on Linux
+
+
 def log_metrics(accelerator, metrics: dict, step: int) -> None:
     """To every tracker (metrics.jsonl included) and one console line, main process only."""
     accelerator.log(metrics, step=step)
@@ -120,7 +153,8 @@ def progress_bar(accelerator, total: int, initial: int = 0):
     from tqdm.auto import tqdm
 
     enabled = accelerator.is_main_process and sys.stdout.isatty()
-    return tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True)
+    width = shutil.get_terminal_size().columns  # 80 where a pseudo-terminal reports no size (tqdm would draw nothing)
+    return tqdm(total=total, initial=initial, disable=not enabled, unit="step", ncols=width)
 
 
 class LossWindow:
@@ -169,3 +203,22 @@ class LossWindow:
             self.values = torch.zeros(len(values), device=self.values.device)
         self.values[: len(values)] = torch.tensor(values, device=self.values.device)
         self.count, self.first_step = len(values), first_step
+
+
+class StepTimer:
+    """Wall time spent in training steps since `restart()`; evaluation and checkpoints run inside `paused()`."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    def restart(self) -> None:
+        self.start = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    @contextlib.contextmanager
+    def paused(self):
+        paused_at = time.perf_counter()
+        yield
+        self.start += time.perf_counter() - paused_at

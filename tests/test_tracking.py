@@ -1,0 +1,109 @@
+"""Tracking never blocks a job: wandb without credentials goes offline, tensorboard and metrics.jsonl agree."""
+
+import shlex
+import shutil
+
+import pytest
+
+from tests.conftest import (
+    QUICK,
+    assert_ok,
+    launch_command,
+    read_metrics,
+    run_command,
+    run_python,
+    run_with_hook,
+    series,
+)
+
+
+def no_wandb_credentials(home) -> dict:
+    """A user who never ran `wandb login`: no key, no mode, no netrc."""
+    return {"HOME": str(home), "WANDB_MODE": None, "WANDB_API_KEY": None, "NETRC": None, "WANDB_DIR": None}
+
+
+def offline_runs(out) -> list:
+    return sorted((out / "wandb").glob("offline-run-*"))
+
+
+def test_wandb_without_credentials_goes_offline_on_two_processes(tmp_path):
+    out = tmp_path / "run"
+    result = run_command(
+        [*launch_command(2), *QUICK, "--output_dir", str(out), "--report_to", "wandb"],
+        env=no_wandb_credentials(tmp_path), timeout=120,
+    )  # fmt: skip
+    assert_ok(result)
+    assert len(offline_runs(out)) == 1  # one run per launch, made by the main process alone
+    assert (result.stdout + result.stderr).count("wandb: no API key found, logging offline") == 1
+
+
+@pytest.mark.skipif(shutil.which("script") is None, reason="needs util-linux `script` for a pseudo-terminal")
+def test_wandb_without_credentials_in_a_terminal_does_not_prompt(tmp_path):
+    out = tmp_path / "run"
+    command = [*launch_command(2), *QUICK, "--output_dir", str(out), "--report_to", "wandb"]
+    result = run_command(["script", "-qec", shlex.join(command), "/dev/null"], env=no_wandb_credentials(tmp_path),
+                         timeout=120)  # fmt: skip
+    assert_ok(result)
+    assert len(offline_runs(out)) == 1
+    assert "no API key found, logging offline" in result.stdout  # `script` merges both streams into stdout
+
+
+def test_resumed_run_continues_the_same_wandb_run(tmp_path):
+    out = tmp_path / "run"
+    args = [*QUICK, "--max_steps", "10", "--output_dir", str(out), "--report_to", "wandb",
+            "--resume_from_checkpoint", "latest"]  # fmt: skip
+    env = no_wandb_credentials(tmp_path)
+    hook = "if step == 4: os.kill(os.getpid(), signal.SIGTERM)"
+    assert run_with_hook(tmp_path, args, hook, env=env).returncode == 75
+    assert_ok(run_with_hook(tmp_path, args, env=env))
+    run_ids = {path.name.rsplit("-", 1)[1] for path in offline_runs(out)}
+    assert len(offline_runs(out)) == 2 and len(run_ids) == 1
+
+
+def test_tensorboard_event_file_holds_the_logged_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    assert_ok(run_command([*launch_command(1), *QUICK, "--output_dir", str(out), "--report_to", "tensorboard"]))
+    events = EventAccumulator(str(out / "accelerate-template"))  # output_dir/project_name, hparams in a subfolder
+    events.Reload()
+    logged = {event.step: event.value for event in events.Scalars("train/loss")}
+    expected = series(read_metrics(out), "train/loss")
+    assert logged == pytest.approx(expected, rel=1e-6) and len(logged) == 3
+    assert "eval/accuracy" in events.Tags()["scalars"]
+
+
+def test_report_to_none_imports_no_tracker(tmp_path):
+    code = f"""
+import sys
+from train import main
+main({[*QUICK, "--output_dir", str(tmp_path / "run")]!r})
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("wandb", "tensorboard", "tensorboardX"))
+loaded += sorted(m for m in sys.modules if m.startswith("torch.utils.tensorboard"))
+print("TRACKER MODULES:", loaded)
+"""
+    result = run_python("-c", code)
+    assert_ok(result)
+    assert "TRACKER MODULES: []" in result.stdout
+
+
+def test_every_log_interval_has_the_throughput_and_memory_keys(tmp_path):
+    out = tmp_path / "run"
+    assert_ok(run_command([*launch_command(1), *QUICK, "--output_dir", str(out)]))
+    rows = read_metrics(out)
+    assert {"setup/world_size", "setup/mixed_precision", "setup/torch", "setup/accelerate"} <= set(rows[0])
+    for row in (r for r in rows if "train/loss" in r):
+        assert {"train/lr", "train/grad_norm", "train/samples_per_s", "train/step_time_s",
+                "train/peak_memory_gb", "epoch"} <= set(row)  # fmt: skip
+        assert row["train/samples_per_s"] > 0 and row["train/peak_memory_gb"] > 0
+
+
+def test_plot_script_on_real_runs(tmp_path):
+    runs = []
+    for processes in (1, 2):
+        out = tmp_path / f"p{processes}"
+        assert_ok(run_command([*launch_command(processes), *QUICK, "--output_dir", str(out)]))
+        runs.append(str(out))
+    png = tmp_path / "curves.png"
+    assert_ok(run_python("scripts/plot_metrics.py", *runs, "-o", str(png)))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
