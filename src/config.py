@@ -45,6 +45,7 @@ class TrainConfig:
     dataloader_drop_last: bool = True  # full batches only: the same samples per step on 1 or N processes
 
     # --- model (src/model.py) ---
+    model: Literal["cnn", "linear"] = "cnn"  # linear: logistic regression on the pixels, a baseline
     norm: Literal["batch", "group", "none"] = "group"  # group: no cross-sample statistics, exact on N processes
     num_labels: int = 10
 

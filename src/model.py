@@ -46,4 +46,6 @@ class DigitsCNN(nn.Module):
 
 
 def build_model(config: TrainConfig) -> nn.Module:
+    if config.model == "linear":  # a baseline, and the per-step-overhead-bound case of scripts/benchmark.py
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, config.num_labels))
     return DigitsCNN(num_labels=config.num_labels, norm=config.norm)

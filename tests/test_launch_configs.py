@@ -258,7 +258,7 @@ def slurm(tmp_path):
 
 
 def resume_args(slurm) -> list[str]:
-    """What every sbatch script passes to train.py before the user's arguments."""
+    """What every sbatch script passes to train.py after the user's arguments."""
     return ["--resume_from_checkpoint", "latest", "--output_dir", str(slurm.output_dir)]
 
 
@@ -278,14 +278,21 @@ def test_sbatch_script_has_the_requeue_settings(script):
 
 
 def test_single_node_sbatch_runs_ddp_on_all_gpus(slurm, monkeypatch):
-    result = slurm.run(SLURM / "single_node.sbatch", "--max_steps", "5", SLURM_GPUS_ON_NODE="4")
+    from src.config import parse_config
+
+    user_args = ["--config", "configs/default.yaml", "--max_steps", "5"]
+    result = slurm.run(SLURM / "single_node.sbatch", *user_args, SLURM_GPUS_ON_NODE="4")
     assert result.returncode == 0, result.stderr
     program, *argv = slurm.launched()
     assert program == "accelerate" and argv[0] == "launch"
     launched = resolve_launch(argv[1:], monkeypatch)
     assert launched["launcher"] == "multi_gpu" and launched["args"].num_processes == 4
     assert launched["args"].config_file == "accelerate_configs/ddp.yaml"
-    assert launched["args"].training_script_args == [*resume_args(slurm), "--max_steps", "5"]
+    train_args = launched["args"].training_script_args
+    assert train_args == [*user_args, *resume_args(slurm)]
+    # the run lands where requeue_if_preempted.sh looks, although configs/default.yaml sets its own output_dir
+    config = parse_config(train_args)
+    assert (config.output_dir, config.resume_from_checkpoint, config.max_steps) == (str(slurm.output_dir), "latest", 5)
     assert int(slurm.launched_env()["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) < 120  # workers are killed before the limit
     assert slurm.scontrol() == []
 

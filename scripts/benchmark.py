@@ -1,0 +1,237 @@
+"""Is the template's loop as fast as a hand-written PyTorch loop? Measure it, side by side.
+
+    python scripts/benchmark.py --output b.json                 # the digits CNN, 1 process, CPU
+    python scripts/benchmark.py --model linear                  # tiny model: per-step overhead dominates
+    python scripts/benchmark.py --processes 2                   # DDP on CPU (gloo) through the launchers
+    python scripts/benchmark.py --device cuda                   # on a GPU
+
+Each round runs (a) a minimal raw PyTorch loop and (b) `train.main`, the code `python train.py` runs, each in a
+fresh process, in the order a b a b ... so machine drift cancels. Both train the same model on the same data with
+the same batch, optimiser, LR schedule and clipping. Both are timed the same way: a timestamp at every optimiser
+step (the LR scheduler's step); steady-state samples/s is taken over the steps after the first quarter.
+Reported: samples/s per side (median, min, max over rounds), ratio b/a of the medians, time from process start
+to the first optimiser step, and peak memory (CUDA allocated, or the process's resident set on CPU).
+"""
+
+import time
+
+STARTED, START_PERF = time.time(), time.perf_counter()  # before heavy imports: startup counts from the spawn
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["cnn", "linear"], default="cnn")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=400, help="optimiser steps per run")
+    parser.add_argument("--batch", type=int, default=64, help="global batch")
+    parser.add_argument("--processes", type=int, default=1)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--output", type=Path, help="write the results as JSON here")
+    parser.add_argument("--child", choices=["raw", "template"], help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+# --- what both sides share: timestamps at each optimiser step, the settings ---
+
+
+def record_step_times() -> list[float]:
+    """Timestamp every LR scheduler step (once per optimiser step on both sides); the constructor's call is skipped."""
+    import torch
+
+    times: list[float] = []
+    step = torch.optim.lr_scheduler.LambdaLR.step
+
+    def timed_step(self, *args, **kwargs):
+        step(self, *args, **kwargs)
+        if getattr(self, "_benchmark_started", False):
+            times.append(time.perf_counter())
+        self._benchmark_started = True
+
+    torch.optim.lr_scheduler.LambdaLR.step = timed_step
+    return times
+
+
+def summarize(times: list[float], batch: int) -> dict:
+    steady = times[len(times) // 4 :]
+    return {"samples_per_s": (len(steady) - 1) * batch / (steady[-1] - steady[0]), "steps": len(times)}
+
+
+def peak_memory_gb(device) -> float:
+    from src.tracking import peak_memory_gb as measure
+
+    return measure(device)
+
+
+def training_config(args, output_dir: str):
+    from src.config import TrainConfig
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return TrainConfig(
+        output_dir=output_dir, model=args.model, max_steps=args.steps, global_batch_size=args.batch,
+        per_device_train_batch_size=args.batch // world, logging_steps=50, eval_steps=10**9, save_steps=0,
+        save_total_limit=None, report_to="none",
+    )  # fmt: skip
+
+
+# --- (a) the raw loop ---
+
+
+def run_raw(args) -> dict:
+    import pyarrow.parquet as pq
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from src.model import build_model
+    from src.optim import build_optimizer, build_scheduler
+
+    times = record_step_times()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", "0")) if args.device == "cuda" else None)
+    if world > 1:
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    config = training_config(args, "unused")
+    table = pq.read_table(REPO / "data/digits/train.parquet").to_pydict()
+    images = torch.tensor(table["pixels"], dtype=torch.float32).div(16.0).view(-1, 1, 8, 8)
+    dataset = TensorDataset(images, torch.tensor(table["label"]))
+    sampler = DistributedSampler(dataset, seed=config.seed, drop_last=True) if world > 1 else None
+    loader = DataLoader(dataset, batch_size=args.batch // world, shuffle=sampler is None, sampler=sampler, drop_last=True)
+
+    torch.manual_seed(config.seed)
+    model = build_model(config).to(device)
+    optimizer = build_optimizer(model, config)
+    scheduler = build_scheduler(optimizer, config, args.steps)
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    step, epoch, loss_sum = 0, 0, torch.zeros((), device=device)
+    while step < args.steps:
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        for inputs, labels in loader:
+            inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+            loss = F.cross_entropy(model(inputs), labels)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            loss_sum += loss.detach()
+            step += 1
+            if step % config.logging_steps == 0:
+                loss_sum.item()  # the same host sync per log interval as the template's
+                loss_sum.zero_()
+            if step == args.steps:
+                break
+        epoch += 1
+    return {**summarize(times, args.batch), "first_step_at": STARTED + (times[0] - START_PERF),
+            "peak_memory_gb": peak_memory_gb(device)}  # fmt: skip
+
+
+# --- (b) the template: train.main, exactly what `python train.py` runs ---
+
+
+def run_template(args) -> dict:
+    times = record_step_times()
+    import train
+
+    with tempfile.TemporaryDirectory() as output_dir:
+        train.main(training_config(args, output_dir))
+    import torch
+
+    device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", "0")) if args.device == "cuda" else None)
+    return {**summarize(times, args.batch), "first_step_at": STARTED + (times[0] - START_PERF),
+            "peak_memory_gb": peak_memory_gb(device)}  # fmt: skip
+
+
+def child_main(args) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1" if args.processes > 1 else str(os.cpu_count()))
+    result = run_raw(args) if args.child == "raw" else run_template(args)
+    if int(os.environ.get("RANK", "0")) == 0:
+        args.result.write_text(json.dumps(result))
+
+
+# --- the parent: interleave rounds, summarize ---
+
+
+def child_command(args, side: str, result: Path) -> list[str]:
+    script = [str(Path(__file__).resolve()), "--child", side, "--result", str(result)]
+    options = ["--model", args.model, "--steps", str(args.steps), "--batch", str(args.batch),
+               "--processes", str(args.processes), "--device", args.device]  # fmt: skip
+    if args.processes == 1:
+        return [sys.executable, *script, *options]
+    if side == "raw":
+        launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(args.processes)]
+    else:
+        launcher = ["-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs/ddp.yaml"),
+                    "--num_processes", str(args.processes)]  # fmt: skip
+    return [sys.executable, *launcher, *script, *options]
+
+
+def run_side(args, side: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        if args.processes > 1:
+            env["OMP_NUM_THREADS"] = "1"
+        spawned = time.time()
+        completed = subprocess.run(child_command(args, side, result), cwd=REPO, env=env, capture_output=True, text=True)
+        if completed.returncode != 0:
+            sys.exit(f"error: the {side} run failed:\n{completed.stderr[-3000:]}")
+        measured = json.loads(result.read_text())
+    measured["seconds_to_first_step"] = measured.pop("first_step_at") - spawned
+    return measured
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.child:
+        child_main(args)
+        return {}
+    runs = {"raw": [], "template": []}
+    for round_index in range(args.rounds):
+        for side in runs:  # a b a b ...: drift of the machine hits both sides alike
+            runs[side].append(run_side(args, side))
+            print(f"round {round_index + 1}/{args.rounds} {side:8s} "
+                  f"{runs[side][-1]['samples_per_s']:9.0f} samples/s", flush=True)  # fmt: skip
+    sides = {
+        side: {
+            "samples_per_s": spread([r["samples_per_s"] for r in results]),
+            "seconds_to_first_step": spread([r["seconds_to_first_step"] for r in results]),
+            "peak_memory_gb": max(r["peak_memory_gb"] for r in results),
+        }
+        for side, results in runs.items()
+    }
+    report = {
+        "ratio": sides["template"]["samples_per_s"]["median"] / sides["raw"]["samples_per_s"]["median"],
+        "raw": sides["raw"],
+        "template": sides["template"],
+        "settings": {k: v for k, v in vars(args).items() if k not in ("child", "result", "output")},
+    }
+    startup_gap = sides["template"]["seconds_to_first_step"]["median"] - sides["raw"]["seconds_to_first_step"]["median"]
+    print(f"ratio template/raw: {report['ratio']:.3f} (samples/s, median of {args.rounds} rounds); "
+          f"startup: +{startup_gap:.2f} s to the first step")  # fmt: skip
+    if args.output:
+        args.output.write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()
