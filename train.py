@@ -8,6 +8,7 @@ The story, top to bottom: config -> accelerator -> data, model, metric -> train 
 Each plug point lives in src/: config.py, data.py, model.py, metrics.py, optim.py, tracking.py, checkpoint.py.
 """
 
+import gc
 import logging
 import math
 from itertools import islice
@@ -26,7 +27,7 @@ from src.checkpoint import (
 )
 from src.config import TrainConfig, parse_config
 from src.data import build_dataloaders, check_split_sizes
-from src.distributed import build_accelerator, sync_batchnorm
+from src.distributed import StepCalls, build_accelerator, sync_batchnorm
 from src.errors import TrainingPreempted, command_line
 from src.metrics import load_metrics
 from src.model import build_model
@@ -70,7 +71,8 @@ def main(args: list[str] | TrainConfig | None = None) -> dict:
     # --- how long: counted in optimiser steps, each seeing the same global batch on any process count ---
     steps_per_epoch = len(train_loader) // accumulation  # a trailing partial window is skipped, see distributed.py
     total_steps = config.max_steps if config.max_steps > 0 else math.ceil(config.num_train_epochs * steps_per_epoch)
-    lr_scheduler = build_scheduler(optimizer, config, total_steps)  # stepped by us, once per optimiser step
+    calls = StepCalls(accelerator, model, optimizer)  # backward / clip / step without per-step wrapper overhead
+    lr_scheduler = build_scheduler(calls.torch_optimizer, config, total_steps)  # stepped once per optimiser step
     accelerator.register_for_checkpointing(lr_scheduler)
 
     # --- resume: weights, optimiser, scheduler and RNG from the checkpoint; the data position from the step ---
@@ -87,28 +89,31 @@ def main(args: list[str] | TrainConfig | None = None) -> dict:
 
     # --- train ---
     step = state.step
-    losses = LossWindow(accelerator, config.logging_steps * accumulation, accumulation, config.skip_nonfinite_batches)
+    losses = LossWindow(accelerator, accumulation, config.skip_nonfinite_batches)
     losses.load(state.loss_window, state.window_first_step)
     skipped_steps = 0
     timer = StepTimer()
     preemption = PreemptionSignals(accelerator)
     progress = progress_bar(accelerator, total_steps, initial=step)
+    gc.collect()
+    gc.freeze()  # the objects set-up made live for the whole run: the collector need not scan them every step
     model.train()
     while step < total_steps:
         epoch, steps_done_in_epoch = divmod(step, steps_per_epoch)
         train_loader.set_epoch(epoch)  # the seedable sampler's permutation for this epoch
-        batches = accelerator.skip_first_batches(train_loader, steps_done_in_epoch * accumulation)
+        batches = train_loader  # a resumed run starts mid-epoch: skip the batches it has already trained on
+        if steps_done_in_epoch:
+            batches = accelerator.skip_first_batches(train_loader, steps_done_in_epoch * accumulation)
         for inputs, labels in islice(batches, (steps_per_epoch - steps_done_in_epoch) * accumulation):
-            with accelerator.accumulate(model):
+            with accelerator.accumulate(model):  # gradients sync across processes on the window's last batch
                 loss = F.cross_entropy(model(inputs), labels)
-                accelerator.backward(loss)
+                calls.backward(loss)
                 if accelerator.sync_gradients:
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm or math.inf)
-                    if config.skip_nonfinite_batches and not torch.isfinite(grad_norm):  # a host sync: opt-in
+                    grad_norm = calls.clip_grad_norm(config.max_grad_norm or math.inf)
+                    if config.skip_nonfinite_batches and not torch.isfinite(grad_norm).all():  # a host sync: opt-in
                         optimizer.zero_grad(set_to_none=True)  # same on every process: the norm is all-reduced
                         skipped_steps += 1
-                optimizer.step()  # a no-op inside the accumulation window
-                optimizer.zero_grad(set_to_none=True)
+                    calls.optimizer_step()
             losses.add(loss)
             if not accelerator.sync_gradients:
                 continue
@@ -124,7 +129,7 @@ def main(args: list[str] | TrainConfig | None = None) -> dict:
                 log_metrics(accelerator, {
                     "train/loss": train_loss,
                     "train/lr": lr_scheduler.get_last_lr()[0],
-                    "train/grad_norm": grad_norm.item(),
+                    **({"train/grad_norm": grad_norm.item()} if grad_norm is not None else {}),
                     "train/samples_per_s": global_batch / step_time,
                     "train/step_time_s": step_time,
                     "train/peak_memory_gb": peak_memory_gb(accelerator.device),

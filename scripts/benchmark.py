@@ -109,7 +109,9 @@ def run_raw(args) -> dict:
     images = torch.tensor(table["pixels"], dtype=torch.float32).div(16.0).view(-1, 1, 8, 8)
     dataset = TensorDataset(images, torch.tensor(table["label"]))
     sampler = DistributedSampler(dataset, seed=config.seed, drop_last=True) if world > 1 else None
-    loader = DataLoader(dataset, batch_size=args.batch // world, shuffle=sampler is None, sampler=sampler, drop_last=True)
+    loader = DataLoader(
+        dataset, batch_size=args.batch // world, shuffle=sampler is None, sampler=sampler, drop_last=True
+    )
 
     torch.manual_seed(config.seed)
     model = build_model(config).to(device)

@@ -212,6 +212,7 @@ class PreemptionSignals:
 
     def __init__(self, accelerator):
         self.accelerator = accelerator
+        self.alone = accelerator.num_processes == 1
         self.received: str | None = None
         self.previous = {}
         for name in self.SIGNALS:
@@ -223,7 +224,9 @@ class PreemptionSignals:
         self.received = signal.Signals(signum).name
 
     def requested(self) -> bool:
-        """True on every process once any process has received a signal."""
+        """True on every process once any process has received a signal (one process: no collective)."""
+        if self.alone:
+            return self.received is not None
         return not all_processes_agree(self.accelerator, self.received is None)
 
     def restore(self):

@@ -165,21 +165,25 @@ class LossWindow:
     such values are left out of the mean (the train loop skips their optimiser steps).
     """
 
-    def __init__(self, accelerator, capacity: int, accumulation: int, skip_nonfinite: bool):
+    def __init__(self, accelerator, accumulation: int, skip_nonfinite: bool):
         self.accelerator = accelerator
-        self.values = torch.zeros(capacity, device=accelerator.device)
         self.accumulation = accumulation
         self.skip_nonfinite = skip_nonfinite
-        self.count = 0
+        self.values: list[torch.Tensor] = []  # a list append costs less per step than writing into a tensor
         self.first_step = 1  # the optimiser step the first value in the window belongs to
 
     def add(self, loss: torch.Tensor) -> None:
-        self.values[self.count] = loss.detach()
-        self.count += 1
+        self.values.append(loss.detach())
+
+    @property
+    def count(self) -> int:
+        return len(self.values)
 
     def reduced(self) -> torch.Tensor:
         """The window's values, each averaged over processes; raises on a non-finite one unless skipping."""
-        window = self.accelerator.reduce(self.values[: self.count].clone(), reduction="mean")
+        if not self.values:
+            return torch.zeros(0)
+        window = self.accelerator.reduce(torch.stack(self.values).float(), reduction="mean")
         finite = torch.isfinite(window)
         if not self.skip_nonfinite and not bool(finite.all()):
             bad_step = self.first_step + int((~finite).nonzero()[0]) // self.accumulation
@@ -192,17 +196,16 @@ class LossWindow:
     def mean(self, next_step: int) -> float:
         """Mean over the window and all processes; empties the window."""
         window = self.reduced()
-        self.count, self.first_step = 0, next_step
+        self.values, self.first_step = [], next_step
         return window.mean().item() if window.numel() else float("nan")
 
     def state(self) -> list[float]:
         return self.reduced().tolist()
 
     def load(self, values: list[float], first_step: int) -> None:
-        if len(values) > len(self.values):  # resumed with a smaller --logging_steps
-            self.values = torch.zeros(len(values), device=self.values.device)
-        self.values[: len(values)] = torch.tensor(values, device=self.values.device)
-        self.count, self.first_step = len(values), first_step
+        device = self.accelerator.device
+        self.values = [torch.tensor(value, device=device) for value in values]
+        self.first_step = first_step
 
 
 class StepTimer:
