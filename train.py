@@ -105,7 +105,7 @@ def main(args: list[str] | TrainConfig | None = None) -> dict:
         if steps_done_in_epoch:
             batches = accelerator.skip_first_batches(train_loader, steps_done_in_epoch * accumulation)
         for inputs, labels in islice(batches, (steps_per_epoch - steps_done_in_epoch) * accumulation):
-            with accelerator.accumulate(model):  # gradients sync across processes on the window's last batch
+            with calls.accumulate(model):  # accelerator.accumulate: gradients sync on the window's last batch only
                 loss = F.cross_entropy(model(inputs), labels)
                 calls.backward(loss)
                 if accelerator.sync_gradients:
@@ -152,13 +152,13 @@ def main(args: list[str] | TrainConfig | None = None) -> dict:
             if step >= total_steps:
                 break
     progress.close()
-    preemption.restore()
 
     # --- final evaluation and model ---
     final_metrics = evaluate(model, eval_loader, metric, accelerator)
     log_metrics(accelerator, final_metrics, step)
     model_dir = save_final_model(accelerator, model, output_dir)
     logger.info("model saved to %s; metrics in %s", model_dir, output_dir / "metrics.jsonl")
+    preemption.close()  # a signal during the final evaluation or save: the run finishes, nothing to resume
     accelerator.end_training()
     return final_metrics
 

@@ -34,14 +34,16 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["cnn", "linear"], default="cnn")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=400, help="optimiser steps per run")
+    parser.add_argument("--steps", type=int, help="optimiser steps per run (default: 400 cnn, 2000 linear)")
     parser.add_argument("--batch", type=int, default=64, help="global batch")
     parser.add_argument("--processes", type=int, default=1)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--output", type=Path, help="write the results as JSON here")
     parser.add_argument("--child", choices=["raw", "template"], help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.steps = args.steps or (400 if args.model == "cnn" else 2000)
+    return args
 
 
 # --- what both sides share: timestamps at each optimiser step, the settings ---

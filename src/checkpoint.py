@@ -202,16 +202,17 @@ def truncate_metrics(output_dir: Path, step: int) -> None:
 
 
 class PreemptionSignals:
-    """SIGTERM / SIGUSR1 (SLURM's warning before the time limit) ask for a checkpoint at the next step boundary.
+    """SIGTERM / SIGUSR1 (SLURM's warning before the time limit) ask for a checkpoint at a step boundary.
 
-    Processes may receive the signal at slightly different steps, so `requested()` is agreed on by all of them
-    (an all-reduce of the flag) before anyone starts saving; one process needs no agreement and no collective.
+    Processes may receive the signal at different steps, so they must agree on when to save. Each step starts an
+    all-reduce of the flag, in the background on a CPU (gloo) group, and reads the one started a step earlier:
+    every process sees the same sum at the same step, no step waits for the network or the GPU, and the checkpoint
+    comes one step after the signal. One process needs no agreement and no collective.
     """
 
     SIGNALS = ("SIGTERM", "SIGUSR1")
 
     def __init__(self, accelerator):
-        self.accelerator = accelerator
         self.alone = accelerator.num_processes == 1
         self.received: str | None = None
         self.previous = {}
@@ -219,16 +220,31 @@ class PreemptionSignals:
             # ValueError outside the main thread (some notebook runners): then no handler, as before
             with contextlib.suppress(ValueError, AttributeError):
                 self.previous[name] = signal.signal(getattr(signal, name), self.handle)
+        if not self.alone:
+            import torch.distributed as dist
+
+            self.group = dist.new_group(backend="gloo")  # a CPU flag: no device sync per step
+            self.flag, self.pending = torch.zeros(1), None
 
     def handle(self, signum, frame):
         self.received = signal.Signals(signum).name
 
     def requested(self) -> bool:
-        """True on every process once any process has received a signal (one process: no collective)."""
+        """Call once per step on every process; True on all of them at the same step once any was signalled."""
         if self.alone:
             return self.received is not None
-        return not all_processes_agree(self.accelerator, self.received is None)
+        import torch.distributed as dist
 
-    def restore(self):
+        agreed = False
+        if self.pending is not None:
+            self.pending.wait()
+            agreed = bool(self.flag.item() > 0)
+        self.flag = torch.tensor([float(self.received is not None)])
+        self.pending = dist.all_reduce(self.flag, group=self.group, async_op=True)
+        return agreed
+
+    def close(self):
+        if not self.alone and self.pending is not None:
+            self.pending.wait()
         for name, handler in self.previous.items():
             signal.signal(getattr(signal, name), handler)
