@@ -14,7 +14,6 @@ import math
 from itertools import islice
 
 import torch
-import torch.nn.functional as F
 
 from src.checkpoint import (
     PreemptionSignals,
@@ -30,8 +29,8 @@ from src.data import build_dataloaders, check_split_sizes
 from src.distributed import StepCalls, build_accelerator, sync_batchnorm
 from src.errors import TrainingPreempted, command_line
 from src.metrics import load_metrics
-from src.model import build_model
 from src.optim import build_optimizer, build_scheduler
+from src.tasks import load_task
 from src.tracking import (
     LossWindow,
     StepTimer,
@@ -61,11 +60,12 @@ def main(args: list[str] | TrainConfig | None = None) -> dict:
     # --- data, model, optimiser, metric ---
     accumulation = accelerator.gradient_accumulation_steps
     global_batch = config.per_device_train_batch_size * accelerator.num_processes * accumulation
-    train_loader, eval_loader = build_dataloaders(config)
+    task = load_task(config.task)
+    train_loader, eval_loader = build_dataloaders(*task.build_datasets(config), config)
     check_split_sizes(train_loader, eval_loader, global_batch, accelerator.num_processes)
-    model = sync_batchnorm(build_model(config), accelerator)
+    model = sync_batchnorm(task.build_model(config), accelerator)
     optimizer = build_optimizer(model, config)
-    metric = load_metrics(config.metrics)
+    metric = load_metrics(task.METRICS if config.metrics is None else config.metrics)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
 
     # --- how long: counted in optimiser steps, each seeing the same global batch on any process count ---
@@ -104,9 +104,9 @@ def main(args: list[str] | TrainConfig | None = None) -> dict:
         batches = train_loader  # a resumed run starts mid-epoch: skip the batches it has already trained on
         if steps_done_in_epoch:
             batches = accelerator.skip_first_batches(train_loader, steps_done_in_epoch * accumulation)
-        for inputs, labels in islice(batches, (steps_per_epoch - steps_done_in_epoch) * accumulation):
+        for batch in islice(batches, (steps_per_epoch - steps_done_in_epoch) * accumulation):
             with calls.accumulate(model):  # accelerator.accumulate: gradients sync on the window's last batch only
-                loss = F.cross_entropy(model(inputs), labels)
+                loss = task.training_loss(model, batch)
                 calls.backward(loss)
                 if accelerator.sync_gradients:
                     grad_norm = calls.clip_grad_norm(config.max_grad_norm or math.inf)
@@ -140,7 +140,7 @@ def main(args: list[str] | TrainConfig | None = None) -> dict:
                 timer.restart()
             if step % config.eval_steps == 0 and step != total_steps:
                 with timer.paused():
-                    log_metrics(accelerator, evaluate(model, eval_loader, metric, accelerator), step)
+                    log_metrics(accelerator, evaluate(task, model, eval_loader, metric, accelerator), step)
             preempted = preemption.requested()
             if preempted or step == total_steps or (config.save_steps and step % config.save_steps == 0):
                 state.step, state.preempted = step, preempted
@@ -154,7 +154,7 @@ def main(args: list[str] | TrainConfig | None = None) -> dict:
     progress.close()
 
     # --- final evaluation and model ---
-    final_metrics = evaluate(model, eval_loader, metric, accelerator)
+    final_metrics = evaluate(task, model, eval_loader, metric, accelerator)
     log_metrics(accelerator, final_metrics, step)
     model_dir = save_final_model(accelerator, model, output_dir)
     logger.info("model saved to %s; metrics in %s", model_dir, output_dir / "metrics.jsonl")
@@ -164,21 +164,28 @@ def main(args: list[str] | TrainConfig | None = None) -> dict:
 
 
 @torch.no_grad()
-def evaluate(model, eval_loader, metric, accelerator) -> dict:
-    """Exact metrics over the whole eval split: every process gathers all predictions, padding dropped."""
+def evaluate(task, model, eval_loader, metric, accelerator) -> dict:
+    """Exact metrics over the whole eval split: every process gathers all outputs, the padding dropped."""
     model.eval()
     loss_sum = torch.zeros((), device=accelerator.device)
+    weight_sum = torch.zeros((), device=accelerator.device)
     num_samples = 0
-    for inputs, labels in eval_loader:
-        logits = model(inputs)
-        losses = F.cross_entropy(logits, labels, reduction="none")
-        predictions, labels, losses = accelerator.gather_for_metrics((logits.argmax(dim=-1), labels, losses))
-        metric.add_batch(predictions=predictions.cpu().numpy(), references=labels.cpu().numpy())
-        loss_sum += losses.sum()
-        num_samples += labels.numel()
+    for batch in eval_loader:
+        outputs = accelerator.gather_for_metrics(task.eval_outputs(model, batch))
+        loss_sum += outputs["loss"].sum()
+        weight_sum += outputs["weight"].sum()
+        num_samples += len(outputs["loss"])
+        if metric is not None:
+            metric.add_batch(
+                predictions=outputs["predictions"].cpu().numpy(), references=outputs["references"].cpu().numpy()
+            )
     model.train()
-    scores = {f"eval/{name}": value for name, value in metric.compute().items()}
-    return {"eval/loss": loss_sum.item() / num_samples, **scores, "eval/num_samples": num_samples}
+    scores = {"eval/loss": (loss_sum / weight_sum).item()}
+    if metric is not None:
+        scores |= {f"eval/{name}": value for name, value in metric.compute().items()}
+    if hasattr(task, "derived_metrics"):
+        scores |= task.derived_metrics(scores)
+    return {**scores, "eval/num_samples": num_samples}
 
 
 if __name__ == "__main__":

@@ -31,6 +31,10 @@ class TrainConfig:
     report_to: str | list[str] = "none"  # wandb, tensorboard, a list or "a,b", all, none; metrics.jsonl always
     debug: bool = False  # full tracebacks instead of one-line errors
 
+    # --- what to train (src/tasks/) ---
+    task: str = "digits"  # digits, causal_lm, or a module path like my_package.my_task
+    task_args: dict = field(default_factory=dict)  # options the task checks itself (e.g. causal_lm's model size)
+
     # --- data (src/data.py) ---
     dataset_name: str | None = None  # a Hugging Face Hub dataset; None means the local data_files below
     dataset_config_name: str | None = None
@@ -71,7 +75,7 @@ class TrainConfig:
     save_steps: int = 100  # a checkpoint every N optimiser steps, and one at the end; 0: only at the end
     save_total_limit: int | None = 2  # keep the newest N checkpoints; None keeps all
     resume_from_checkpoint: str | None = None  # "latest" (or a fresh start if there is none) or a checkpoint path
-    metrics: list[str] = field(default_factory=lambda: ["accuracy"])  # src/evaluate_metrics/<name> or a path
+    metrics: list[str] | None = None  # evaluate metrics: src/evaluate_metrics/<name> or a path; None: the task's
 
     def __post_init__(self):
         self.report_to = normalize_report_to(self.report_to)

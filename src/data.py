@@ -1,14 +1,13 @@
-"""Data: a `datasets` dataset (local Parquet/CSV/JSON files or a Hub name) -> PyTorch DataLoaders.
+"""Data: `datasets.load_dataset` on local Parquet/CSV/JSON files or a Hub name, then PyTorch DataLoaders.
 
-This is the file to edit first when you bring your own data. `load_splits` reads whatever the config names;
-`to_tensors` turns one split into model inputs and labels (the digits example: 64 pixels -> a 1x8x8 image).
+`load_splits` reads whatever the config names; each task (src/tasks/) turns the splits into torch Datasets.
 Accelerate shards the loaders across processes later, in `accelerator.prepare`; nothing here knows about ranks.
 """
 
 import os
 from pathlib import Path
 
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset
 
 from src.config import TrainConfig
 from src.errors import UsageError
@@ -94,29 +93,7 @@ def is_cached(dataset_name: str) -> bool:
     return (Path(HF_HUB_CACHE) / f"datasets--{dataset_name.replace('/', '--')}").exists()
 
 
-def to_tensors(split, config: TrainConfig) -> TensorDataset:
-    """One split -> (inputs, labels) tensors. The digits example: 64 pixel values 0..16 -> 1x8x8 floats in [0, 1]."""
-    missing = {config.input_column, config.label_column} - set(split.column_names)
-    if missing:
-        raise UsageError(
-            f"the data has no column {', '.join(sorted(missing))} (it has {', '.join(split.column_names)}); "
-            "set --input_column / --label_column"
-        )
-    columns = split.with_format("torch", columns=[config.input_column, config.label_column])[:]
-    inputs = columns[config.input_column].float().div(16.0).view(-1, 1, 8, 8)
-    labels = columns[config.label_column].long()
-    if labels.min() < 0 or labels.max() >= config.num_labels:
-        raise UsageError(
-            f"labels must lie in 0..{config.num_labels - 1} but range {labels.min()}..{labels.max()}; set --num_labels"
-        )
-    return TensorDataset(inputs, labels)
-
-
-def build_dataloaders(config: TrainConfig) -> tuple[DataLoader, DataLoader]:
-    """Small data sets live in memory as tensors: no per-sample Python decoding in the training loop."""
-    splits = load_splits(config)
-    train_set = to_tensors(splits[config.train_split], config)
-    eval_set = to_tensors(splits[config.eval_split], config)
+def build_dataloaders(train_set: Dataset, eval_set: Dataset, config: TrainConfig) -> tuple[DataLoader, DataLoader]:
     train_loader = DataLoader(
         train_set,
         batch_size=config.per_device_train_batch_size,

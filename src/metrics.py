@@ -10,7 +10,10 @@ LOCAL_METRICS = Path(__file__).parent / "evaluate_metrics"
 
 
 def load_metrics(names: list[str]):
-    """One `evaluate` object computing all `names`; a name that isn't local is passed to `evaluate.load` as is."""
+    """One `evaluate` object computing all `names` (None if there are none); a name that isn't local is passed
+    to `evaluate.load` as is."""
+    if not names:
+        return None
     import evaluate
 
     modules = []

@@ -6,9 +6,14 @@ import pandas as pd
 import pytest
 
 from src.config import TrainConfig
-from src.data import build_dataloaders
+from src.data import build_dataloaders as make_loaders
+from src.tasks import digits
 from src.errors import UsageError
 from tests.conftest import REPO
+
+
+def build_dataloaders(config: TrainConfig):
+    return make_loaders(*digits.build_datasets(config), config)
 
 
 def digits_frame(split: str) -> pd.DataFrame:
