@@ -11,6 +11,7 @@ Each plug point lives in src/: config.py, data.py, model.py, metrics.py, optim.p
 import gc
 import logging
 import math
+from dataclasses import replace
 from itertools import islice
 
 import torch
@@ -26,10 +27,10 @@ from src.checkpoint import (
 )
 from src.config import TrainConfig, parse_config
 from src.data import build_dataloaders, check_split_sizes
-from src.distributed import StepCalls, build_accelerator, sync_batchnorm
+from src.distributed import StepCalls, build_accelerator, enable_gradient_checkpointing, sync_batchnorm
 from src.errors import TrainingPreempted, command_line
 from src.metrics import load_metrics
-from src.optim import build_optimizer, build_scheduler
+from src.optim import EarlyStopping, build_optimizer, build_scheduler
 from src.tasks import load_task
 from src.tracking import (
     LossWindow,
@@ -41,6 +42,8 @@ from src.tracking import (
     setup_logging,
     setup_metrics,
     start_tracking,
+    step_profiler,
+    throughput_metrics,
 )
 
 logger = logging.getLogger("train")
@@ -49,7 +52,27 @@ logger = logging.getLogger("train")
 def main(args: list[str] | TrainConfig | None = None) -> dict:
     """Train and evaluate; returns the final eval metrics. `args`: CLI flags, a TrainConfig, or None (sys.argv)."""
     config = args if isinstance(args, TrainConfig) else parse_config(args)
+    if not config.auto_find_batch_size:
+        return train(config)
+    from accelerate.utils import find_executable_batch_size
 
+    first = per_device = config.per_device_train_batch_size
+
+    def halve() -> int:  # resolve_global_batch then raises the accumulation: the optimiser's batch stays the same
+        nonlocal per_device
+        per_device //= 2
+        logger.warning("out of memory with a per-device batch of %d: retrying with %d", per_device * 2, per_device)
+        return per_device
+
+    @find_executable_batch_size(starting_batch_size=first, reduce_batch_size_fn=halve)
+    def train_with(batch_size: int) -> dict:  # a retry replaces what the attempt that ran out of memory wrote
+        return train(replace(config, per_device_train_batch_size=batch_size,
+                             overwrite_output_dir=config.overwrite_output_dir or batch_size != first))  # fmt: skip
+
+    return train_with()
+
+
+def train(config: TrainConfig) -> dict:
     # --- distributed setup: world size, device, global batch -> gradient accumulation ---
     accelerator = build_accelerator(config, log_with=build_trackers(config))
     setup_logging(accelerator)
@@ -64,6 +87,8 @@ def main(args: list[str] | TrainConfig | None = None) -> dict:
     train_loader, eval_loader = build_dataloaders(*task.build_datasets(config), config)
     check_split_sizes(train_loader, eval_loader, global_batch, accelerator.num_processes)
     model = sync_batchnorm(task.build_model(config), accelerator)
+    if config.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
     optimizer = build_optimizer(model, config)
     metric = load_metrics(task.METRICS if config.metrics is None else config.metrics)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
@@ -71,6 +96,7 @@ def main(args: list[str] | TrainConfig | None = None) -> dict:
     # --- how long: counted in optimiser steps, each seeing the same global batch on any process count ---
     steps_per_epoch = len(train_loader) // accumulation  # a trailing partial window is skipped, see distributed.py
     total_steps = config.max_steps if config.max_steps > 0 else math.ceil(config.num_train_epochs * steps_per_epoch)
+    throughput = throughput_metrics(task, config, accelerator, model)  # tokens/s and MFU for tasks with tokens
     calls = StepCalls(accelerator, model, optimizer)  # backward / clip / step without per-step wrapper overhead
     lr_scheduler = build_scheduler(calls.torch_optimizer, config, total_steps)  # stepped once per optimiser step
     accelerator.register_for_checkpointing(lr_scheduler)
@@ -94,10 +120,13 @@ def main(args: list[str] | TrainConfig | None = None) -> dict:
     skipped_steps = 0
     timer = StepTimer()
     preemption = PreemptionSignals(accelerator)
+    early_stopping = EarlyStopping(config, state)
     progress = progress_bar(accelerator, total_steps, initial=step)
     gc.collect()
     gc.freeze()  # the objects set-up made live for the whole run: the collector need not scan them every step
     model.train()
+    profiler = step_profiler(config, accelerator)
+    profiler.start()
     while step < total_steps:
         epoch, steps_done_in_epoch = divmod(step, steps_per_epoch)
         train_loader.set_epoch(epoch)  # the seedable sampler's permutation for this epoch
@@ -122,6 +151,7 @@ def main(args: list[str] | TrainConfig | None = None) -> dict:
             lr_scheduler.step()
             step += 1
             progress.update()
+            profiler.step()
             if step % config.logging_steps == 0 or step == total_steps:
                 steps_logged = losses.count // accumulation
                 train_loss = losses.mean(next_step=step + 1)  # waits for the device: time after it
@@ -131,6 +161,7 @@ def main(args: list[str] | TrainConfig | None = None) -> dict:
                     "train/lr": lr_scheduler.get_last_lr()[0],
                     **({"train/grad_norm": grad_norm.item()} if grad_norm is not None else {}),
                     "train/samples_per_s": global_batch / step_time,
+                    **throughput(global_batch / step_time),
                     "train/step_time_s": step_time,
                     "train/peak_memory_gb": peak_memory_gb(accelerator.device),
                     "epoch": step / steps_per_epoch,
@@ -140,7 +171,10 @@ def main(args: list[str] | TrainConfig | None = None) -> dict:
                 timer.restart()
             if step % config.eval_steps == 0 and step != total_steps:
                 with timer.paused():
-                    log_metrics(accelerator, evaluate(task, model, eval_loader, metric, accelerator), step)
+                    eval_metrics = evaluate(task, model, eval_loader, metric, accelerator)
+                    log_metrics(accelerator, eval_metrics, step)
+                if early_stopping.should_stop(eval_metrics, step):  # the same metrics, so the same answer everywhere
+                    total_steps = step  # finish here: the final checkpoint, evaluation and model follow
             preempted = preemption.requested()
             if preempted or step == total_steps or (config.save_steps and step % config.save_steps == 0):
                 state.step, state.preempted = step, preempted
@@ -152,6 +186,7 @@ def main(args: list[str] | TrainConfig | None = None) -> dict:
             if step >= total_steps:
                 break
     progress.close()
+    profiler.stop()
 
     # --- final evaluation and model ---
     final_metrics = evaluate(task, model, eval_loader, metric, accelerator)

@@ -40,6 +40,8 @@ class TrainerState:
     world_size: int = 1
     tracker_run_id: str | None = None
     preempted: bool = False  # saved because of SIGTERM/SIGUSR1: scripts/slurm requeue the job on it
+    best_metric: float | None = None  # early stopping
+    evals_without_improvement: int = 0
 
 
 # --- the run directory ---

@@ -47,6 +47,8 @@ class TrainConfig:
     label_column: str = "label"
     dataloader_num_workers: int = 0
     dataloader_drop_last: bool = True  # full batches only: the same samples per step on 1 or N processes
+    max_train_samples: int | None = None  # train on the first N samples only (debugging, overfitting one batch)
+    max_eval_samples: int | None = None  # evaluate on the first N samples only
 
     # --- model (src/model.py) ---
     model: Literal["cnn", "linear"] = "cnn"  # linear: logistic regression on the pixels, a baseline
@@ -67,6 +69,10 @@ class TrainConfig:
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "cosine"
     warmup_steps: int = 20
     max_grad_norm: float = 1.0  # 0 disables clipping
+    auto_find_batch_size: bool = False  # on out-of-memory: halve the per-device batch, keep global_batch_size
+    mixed_precision: Literal["no", "fp16", "bf16"] | None = None  # None: from the accelerate config / launcher
+    gradient_checkpointing: bool = False  # trade compute for memory, for models that support it
+    torch_compile: bool = False  # torch.compile the model (inductor)
     skip_nonfinite_batches: bool = False  # skip optimiser steps whose gradient is NaN/inf instead of stopping
 
     # --- logging and evaluation (in optimiser steps) ---
@@ -75,6 +81,10 @@ class TrainConfig:
     save_steps: int = 100  # a checkpoint every N optimiser steps, and one at the end; 0: only at the end
     save_total_limit: int | None = 2  # keep the newest N checkpoints; None keeps all
     resume_from_checkpoint: str | None = None  # "latest" (or a fresh start if there is none) or a checkpoint path
+    early_stopping_patience: int | None = None  # stop after N evaluations without improvement
+    early_stopping_metric: str = "eval/loss"
+    early_stopping_mode: Literal["min", "max"] = "min"
+    profile_steps: int = 0  # > 0: record a torch.profiler trace of that many steps to output_dir/profile/
     metrics: list[str] | None = None  # evaluate metrics: src/evaluate_metrics/<name> or a path; None: the task's
 
     def __post_init__(self):
@@ -95,14 +105,24 @@ class TrainConfig:
         ]
         problems += [
             f"--{name} must be >= 0 (got {getattr(self, name)})"
-            for name in ("weight_decay", "warmup_steps", "max_grad_norm", "dataloader_num_workers", "save_steps")
+            for name in (
+                "weight_decay",
+                "warmup_steps",
+                "max_grad_norm",
+                "dataloader_num_workers",
+                "save_steps",
+                "profile_steps",
+            )  # fmt: skip
             if getattr(self, name) < 0
         ]
-        for name in ("global_batch_size", "save_total_limit"):
+        for name in ("global_batch_size", "save_total_limit", "max_train_samples", "max_eval_samples",
+                     "early_stopping_patience"):  # fmt: skip
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 problems.append(f"--{name} must be > 0 or null (got {getattr(self, name)})")
         if self.max_steps == 0 or self.max_steps < -1:
             problems.append(f"--max_steps must be > 0, or -1 to train for num_train_epochs (got {self.max_steps})")
+        if self.auto_find_batch_size and self.global_batch_size is None:
+            problems.append("--auto_find_batch_size needs --global_batch_size, so the optimiser's batch stays the same")
         if self.dataset_name is None and not self.data_files:
             problems.append("no data: set --dataset_name (a Hub dataset) or --data_files (local files)")
         if problems:

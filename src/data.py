@@ -7,7 +7,7 @@ Accelerate shards the loaders across processes later, in `accelerator.prepare`; 
 import os
 from pathlib import Path
 
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from src.config import TrainConfig
 from src.errors import UsageError
@@ -94,6 +94,10 @@ def is_cached(dataset_name: str) -> bool:
 
 
 def build_dataloaders(train_set: Dataset, eval_set: Dataset, config: TrainConfig) -> tuple[DataLoader, DataLoader]:
+    if config.max_train_samples:
+        train_set = Subset(train_set, range(min(config.max_train_samples, len(train_set))))
+    if config.max_eval_samples:
+        eval_set = Subset(eval_set, range(min(config.max_eval_samples, len(eval_set))))
     train_loader = DataLoader(
         train_set,
         batch_size=config.per_device_train_batch_size,

@@ -40,15 +40,32 @@ def build_accelerator(config: TrainConfig, log_with: list):
             "launch with `accelerate launch --config_file accelerate_configs/ddp.yaml` or `torchrun`"
         )
     accumulation = resolve_global_batch(config, state.num_processes)
-    return Accelerator(
-        cpu=use_cpu,
-        log_with=log_with,
-        project_dir=config.output_dir,
-        # sync_with_dataloader=False: the loop runs whole accumulation windows only, so no partial window at
-        # an epoch's end makes an extra, smaller optimiser step that a different process count would not make
-        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=accumulation, sync_with_dataloader=False),
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
-    )
+    options = {"mixed_precision": config.mixed_precision} if config.mixed_precision else {}
+    if config.torch_compile:
+        options["dynamo_backend"] = "inductor"
+    try:
+        return Accelerator(
+            cpu=use_cpu,
+            log_with=log_with,
+            project_dir=config.output_dir,
+            # sync_with_dataloader=False: the loop runs whole accumulation windows only, so no partial window at
+            # an epoch's end makes an extra, smaller optimiser step that a different process count would not make
+            gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=accumulation, sync_with_dataloader=False),
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+            **options,
+        )
+    except ValueError as err:  # e.g. fp16 without a GPU, or an accelerate config this machine can't run
+        raise UsageError(f"Accelerate cannot run this setup: {' '.join(str(err).split())}") from err
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Models opt in with a `gradient_checkpointing_enable()` method (as Hugging Face Transformers models do)."""
+    if not hasattr(model, "gradient_checkpointing_enable"):
+        raise UsageError(
+            f"{type(model).__name__} does not support --gradient_checkpointing "
+            "(it needs a gradient_checkpointing_enable method)"
+        )
+    model.gradient_checkpointing_enable()
 
 
 def sync_batchnorm(model: nn.Module, accelerator) -> nn.Module:

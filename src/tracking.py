@@ -225,3 +225,62 @@ class StepTimer:
         paused_at = time.perf_counter()
         yield
         self.start += time.perf_counter() - paused_at
+
+
+# bf16 dense tensor-core peak per GPU, from the vendors' data sheets; MFU is logged only for GPUs listed here
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12}
+
+
+def throughput_metrics(task, config: TrainConfig, accelerator, model):
+    """samples/s -> tokens/s (tasks with `tokens_per_sample`) and MFU (with `flops_per_token` and a known GPU)."""
+    if not hasattr(task, "tokens_per_sample"):
+        return lambda samples_per_s: {}
+    tokens_per_sample = task.tokens_per_sample(config)
+    peak = None
+    if accelerator.device.type == "cuda" and hasattr(task, "flops_per_token"):
+        name = torch.cuda.get_device_name(accelerator.device)
+        peak = next((flops for gpu, flops in PEAK_FLOPS.items() if gpu in name), None)
+        flops_per_token = task.flops_per_token(accelerator.unwrap_model(model), config)
+
+    def metrics(samples_per_s: float) -> dict:
+        tokens_per_s = samples_per_s * tokens_per_sample
+        if peak is None:
+            return {"train/tokens_per_s": tokens_per_s}
+        mfu = tokens_per_s * flops_per_token / (peak * accelerator.num_processes)
+        return {"train/tokens_per_s": tokens_per_s, "train/mfu": mfu}
+
+    return metrics
+
+
+class NoProfiler:
+    def start(self):
+        pass
+
+    def step(self):
+        pass
+
+    def stop(self):
+        pass
+
+
+def step_profiler(config: TrainConfig, accelerator):
+    """`--profile_steps N`: a torch.profiler trace of N steps after 2 warm-up steps, one Chrome trace per process
+    in output_dir/profile/ (open it in chrome://tracing or https://ui.perfetto.dev)."""
+    if not config.profile_steps:
+        return NoProfiler()
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    trace_dir = Path(config.output_dir) / "profile"
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if accelerator.device.type == "cuda" else [])
+
+    def save(profiler) -> None:
+        path = trace_dir / f"trace_rank{accelerator.process_index}.json"
+        profiler.export_chrome_trace(str(path))
+        logger.info("profiler trace of %d steps written to %s", config.profile_steps, path)
+
+    return profile(
+        activities=activities,
+        schedule=schedule(wait=1, warmup=1, active=config.profile_steps, repeat=1),
+        on_trace_ready=save,
+    )

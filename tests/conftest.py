@@ -43,13 +43,13 @@ def run_python(*args: str, **kwargs) -> subprocess.CompletedProcess:
     return run_command([sys.executable, *args], **kwargs)
 
 
-def run_command(command: list[str], env: dict | None = None, timeout: float = 300, **kwargs):
+def run_command(command: list[str], env: dict | None = None, timeout: float = 300, cwd: Path = REPO, **kwargs):
     """Offline, one thread per process, no inherited launcher variables, stdin closed. `env`: None values unset."""
     base = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
     full_env = {**base, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", **(env or {})}
     full_env = {k: v for k, v in full_env.items() if v is not None}
     return subprocess.run(
-        command, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+        command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
         **kwargs,
     )  # fmt: skip
 

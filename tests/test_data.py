@@ -7,8 +7,8 @@ import pytest
 
 from src.config import TrainConfig
 from src.data import build_dataloaders as make_loaders
-from src.tasks import digits
 from src.errors import UsageError
+from src.tasks import digits
 from tests.conftest import REPO
 
 
