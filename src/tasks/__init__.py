@@ -1,6 +1,6 @@
 """Tasks: what is trained (data -> tensors, model, loss, eval outputs), selected by `--task`.
 
-A task is a module with these functions (see digits.py, the default, and causal_lm.py):
+A task is a module with these functions (see digits.py, the default, tabular.py and causal_lm.py):
 
     build_datasets(config) -> (train Dataset, eval Dataset)
     build_model(config) -> nn.Module
@@ -18,7 +18,7 @@ import importlib
 
 from src.errors import UsageError
 
-BUILT_IN = {"digits": "src.tasks.digits", "causal_lm": "src.tasks.causal_lm"}
+BUILT_IN = {"digits": "src.tasks.digits", "causal_lm": "src.tasks.causal_lm", "tabular": "src.tasks.tabular"}
 
 
 def load_task(name: str):
