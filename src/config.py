@@ -21,10 +21,10 @@ TRACKERS = ("wandb", "tensorboard")
 @dataclass
 class TrainConfig:
     # --- run ---
-    output_dir: str = "runs/digits"
+    output_dir: str = "runs/digits"  # config.yaml, metrics.jsonl, checkpoints/, model/ go here
     overwrite_output_dir: bool = False  # allow a fresh run to replace a previous run's files in output_dir
-    seed: int = 42
-    run_name: str | None = None
+    seed: int = 42  # the same on every process: identical initial weights and data order
+    run_name: str | None = None  # wandb run name
     project_name: str = "accelerate-template"  # wandb project / tensorboard folder
     run_tags: list[str] = field(default_factory=list)  # wandb tags
     run_group: str | None = None  # wandb group, e.g. one per sweep
@@ -37,15 +37,15 @@ class TrainConfig:
 
     # --- data (src/data.py) ---
     dataset_name: str | None = None  # a Hugging Face Hub dataset; None means the local data_files below
-    dataset_config_name: str | None = None
-    data_files: dict[str, str] | None = field(
+    dataset_config_name: str | None = None  # the Hub dataset's configuration, if it has several
+    data_files: dict[str, str] | None = field(  # split -> a .parquet, .csv, .json or .jsonl file
         default_factory=lambda: {"train": "data/digits/train.parquet", "eval": "data/digits/eval.parquet"}
     )
-    train_split: str = "train"
+    train_split: str = "train"  # split names in the data
     eval_split: str = "eval"
-    input_column: str = "pixels"
-    label_column: str = "label"
-    dataloader_num_workers: int = 0
+    input_column: str = "pixels"  # the model's input column (digits: 64 pixel values; causal_lm: text)
+    label_column: str = "label"  # integer class labels
+    dataloader_num_workers: int = 0  # worker processes per data loader
     dataloader_drop_last: bool = True  # full batches only: the same samples per step on 1 or N processes
     max_train_samples: int | None = None  # train on the first N samples only (debugging, overfitting one batch)
     max_eval_samples: int | None = None  # evaluate on the first N samples only
@@ -53,21 +53,21 @@ class TrainConfig:
     # --- model (src/model.py) ---
     model: Literal["cnn", "linear"] = "cnn"  # linear: logistic regression on the pixels, a baseline
     norm: Literal["batch", "group", "none"] = "group"  # group: no cross-sample statistics, exact on N processes
-    num_labels: int = 10
+    num_labels: int = 10  # classes; labels must lie in 0..num_labels-1
 
     # --- optimisation ---
-    num_train_epochs: float = 10
+    num_train_epochs: float = 10  # passes over the train split (fractions allowed)
     max_steps: int = -1  # > 0 overrides num_train_epochs; counted in optimiser steps
-    per_device_train_batch_size: int = 32
+    per_device_train_batch_size: int = 32  # samples per process per forward pass
     per_device_eval_batch_size: int = 128
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: int = 1  # used only when global_batch_size is None
     global_batch_size: int | None = 64  # if set: accumulation = global / (per-device batch x processes)
-    learning_rate: float = 3e-3
-    weight_decay: float = 0.01
+    learning_rate: float = 3e-3  # peak learning rate (AdamW)
+    weight_decay: float = 0.01  # not applied to biases and normalisation weights
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
-    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "cosine"
-    warmup_steps: int = 20
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "cosine"  # after warmup
+    warmup_steps: int = 20  # linear warmup, in optimiser steps
     max_grad_norm: float = 1.0  # 0 disables clipping
     auto_find_batch_size: bool = False  # on out-of-memory: halve the per-device batch, keep global_batch_size
     mixed_precision: Literal["no", "fp16", "bf16"] | None = None  # None: from the accelerate config / launcher
@@ -76,14 +76,14 @@ class TrainConfig:
     skip_nonfinite_batches: bool = False  # skip optimiser steps whose gradient is NaN/inf instead of stopping
 
     # --- logging and evaluation (in optimiser steps) ---
-    logging_steps: int = 10
+    logging_steps: int = 10  # one log line (and one host sync) every N optimiser steps
     eval_steps: int = 100  # also evaluated once at the end
     save_steps: int = 100  # a checkpoint every N optimiser steps, and one at the end; 0: only at the end
     save_total_limit: int | None = 2  # keep the newest N checkpoints; None keeps all
     resume_from_checkpoint: str | None = None  # "latest" (or a fresh start if there is none) or a checkpoint path
     early_stopping_patience: int | None = None  # stop after N evaluations without improvement
-    early_stopping_metric: str = "eval/loss"
-    early_stopping_mode: Literal["min", "max"] = "min"
+    early_stopping_metric: str = "eval/loss"  # any logged eval key
+    early_stopping_mode: Literal["min", "max"] = "min"  # whether lower or higher is better
     profile_steps: int = 0  # > 0: record a torch.profiler trace of that many steps to output_dir/profile/
     metrics: list[str] | None = None  # evaluate metrics: src/evaluate_metrics/<name> or a path; None: the task's
 

@@ -1,0 +1,28 @@
+# Shortcuts for the commands in README.md (each target is one of them).
+PY := .venv/bin/python
+
+.PHONY: setup train test test-fast lint format benchmark plot config-reference
+
+setup:            ## create .venv with torch (CPU build without an NVIDIA GPU) and the pinned requirements
+	bash scripts/setup.sh
+
+train:            ## train the default digits example
+	$(PY) train.py
+
+test:             ## the whole test suite (what CI runs)
+	$(PY) -m pytest
+
+test-fast:        ## skip the slow end-to-end tests
+	$(PY) -m pytest -m "not slow"
+
+lint:             ## ruff lint and format check
+	$(PY) -m ruff check . && $(PY) -m ruff format --check .
+
+format:           ## ruff autofix and format
+	$(PY) -m ruff check --fix . && $(PY) -m ruff format .
+
+benchmark:        ## the template's loop vs a raw PyTorch loop
+	$(PY) scripts/benchmark.py --output runs/benchmark.json
+
+config-reference: ## regenerate the config table in README.md from src/config.py
+	$(PY) scripts/config_reference.py

@@ -1,0 +1,185 @@
+"""The causal_lm recipe: a byte-level GPT trained from scratch on the Python stdlib's source, through train.py."""
+
+import math
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from src.config import TrainConfig
+from src.errors import UsageError
+from src.tasks import causal_lm
+from tests.conftest import REPO, assert_ok, read_metrics, run_python, run_train, series
+
+LM = ["--config", "configs/lm.yaml"]
+STDLIB = REPO / "data" / "stdlib"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stdlib_text():
+    """data/stdlib/{train,eval}.parquet, built once (a second or two) where missing; git-ignored."""
+    if not all((STDLIB / f"{split}.parquet").is_file() for split in ("train", "eval")):
+        assert_ok(run_python("scripts/prepare_text.py"))
+
+
+# --- end to end through train.py ---
+
+
+@pytest.mark.slow  # ~80 s on a 2-core CPU
+def test_lm_yaml_loss_falls_by_30_percent(out):
+    result = run_train(*LM, "--output_dir", str(out))
+    assert_ok(result)
+    rows = read_metrics(out)
+    losses = series(rows, "train/loss")
+    assert list(losses)[0] == 10 and list(losses)[-1] == 200
+    first, last = losses[10], losses[200]
+    assert last <= 0.7 * first, losses
+    assert rows[0]["setup/parameters"] == causal_lm.count_parameters(causal_lm.LMArgs(), non_embedding=False)
+    assert list(series(rows, "eval/perplexity")) == [100, 200]
+    assert series(rows, "eval/loss")[200] < 0.6 * math.log(256)  # well below a uniform guess over the bytes
+
+
+# 30 steps of configs/lm.yaml, evaluated on 127 blocks at the end; lm.yaml's model (the LMArgs defaults)
+SAME_RUN = [
+    "--max_steps",
+    "30",
+    "--logging_steps",
+    "1",
+    "--eval_steps",
+    "1000",
+    "--task_args",
+    "{max_eval_tokens: 16384}",
+]
+
+
+@pytest.fixture(scope="module")
+def one_and_two_processes(tmp_path_factory):
+    runs = {}
+    for processes in (1, 2):
+        output_dir = tmp_path_factory.mktemp(f"lm_p{processes}") / "run"
+        assert_ok(run_train(*LM, *SAME_RUN, "--output_dir", str(output_dir), processes=processes))
+        runs[processes] = read_metrics(output_dir)
+    return runs
+
+
+def test_1_and_2_processes_train_the_same(one_and_two_processes):
+    for processes, rows in one_and_two_processes.items():
+        assert rows[0]["setup/world_size"] == processes
+        assert rows[0]["setup/global_batch"] == 32
+    one, two = (series(one_and_two_processes[n], "train/loss") for n in (1, 2))
+    assert list(one) == list(range(1, 31)) and list(two) == list(one)
+    torch.testing.assert_close(torch.tensor(list(two.values())), torch.tensor(list(one.values())), rtol=0, atol=1e-4)
+    eval_one, eval_two = (one_and_two_processes[n][-1] for n in (1, 2))
+    assert eval_one["eval/num_samples"] == eval_two["eval/num_samples"] == 16384 // 129
+    assert eval_two["eval/loss"] == pytest.approx(eval_one["eval/loss"], abs=1e-4)
+
+
+def test_perplexity_is_exp_of_eval_loss(one_and_two_processes):
+    for rows in one_and_two_processes.values():
+        final = rows[-1]
+        assert final["eval/perplexity"] == pytest.approx(math.exp(final["eval/loss"]), rel=1e-9)
+        assert 1 < final["eval/perplexity"] < 256
+
+
+def test_unknown_task_arg_is_one_error_line(out):
+    result = run_train(*LM, "--output_dir", str(out), "--task_args", "{n_layers: 2}")
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error:") and "n_layers" in last and "n_layer?" in last, last
+    assert not out.exists()
+
+
+# --- the pieces, in this process ---
+
+
+def lm_config(**overrides) -> TrainConfig:
+    data_files = {"train": str(STDLIB / "train.parquet"), "eval": str(STDLIB / "eval.parquet")}
+    return TrainConfig(**{"task": "causal_lm", "data_files": data_files, "input_column": "text", **overrides})
+
+
+@pytest.mark.parametrize(
+    "task_args, message",
+    [
+        ({"n_layers": 2}, "unknown --task_args key 'n_layers'.*did you mean n_layer"),
+        ({"n_layer": "2"}, "n_layer must be an integer"),
+        ({"n_layer": True}, "n_layer must be an integer"),
+        ({"n_embd": 100, "n_head": 3}, "n_embd 100 must be divisible by n_head 3"),
+        ({"dropout": 1.0}, r"dropout must lie in \[0, 1\)"),
+        ({"max_train_tokens": 100}, "max_train_tokens must be > block_size"),
+    ],
+)
+def test_bad_task_args_raise_usage_errors(task_args, message):
+    with pytest.raises(UsageError, match=message) as info:
+        causal_lm.build_model(lm_config(task_args=task_args))
+    assert "\n" not in str(info.value)
+
+
+def test_missing_text_names_the_prepare_script():
+    missing = {"train": "data/stdlib/absent.parquet", "eval": "data/stdlib/absent.parquet"}
+    with pytest.raises(UsageError, match=r"python scripts/prepare_text\.py"):
+        causal_lm.build_datasets(lm_config(data_files=missing))
+    with pytest.raises(UsageError, match="configs/lm.yaml"):  # the digits example's files, not text
+        causal_lm.build_datasets(TrainConfig(task="causal_lm"))
+
+
+def test_texts_become_shifted_byte_blocks(tmp_path):
+    texts = ["abcdefg", "é€x", "hijklmnop"]  # 7 + 1 + 6 + 1 + 9 = 24 bytes: 4 blocks of 5, 4 left over
+    for split in ("train", "eval"):
+        pq.write_table(pa.table({"path": ["a", "b", "c"], "text": texts}), tmp_path / f"{split}.parquet")
+    data_files = {split: str(tmp_path / f"{split}.parquet") for split in ("train", "eval")}
+    config = lm_config(data_files=data_files, task_args={"block_size": 4, "max_train_tokens": 12})
+    train, evaluation = causal_lm.build_datasets(config)
+    stream = "\0".join(texts).encode()
+    assert len(evaluation) == len(stream) // 5 == 4 and len(train) == 12 // 5 == 2  # remainders dropped
+    for index, (inputs, targets) in enumerate(evaluation):
+        block = torch.tensor(list(stream[5 * index : 5 * index + 5]))
+        assert inputs.dtype == targets.dtype == torch.long
+        assert torch.equal(inputs, block[:-1]) and torch.equal(targets, block[1:])
+
+
+def test_model_shape_parameters_and_flops():
+    args = causal_lm.LMArgs()
+    model = causal_lm.build_model(lm_config())
+    assert model.lm_head.weight is model.tok_emb.weight  # tied: counted once
+    assert sum(p.numel() for p in model.parameters()) == causal_lm.count_parameters(args, non_embedding=False)
+    non_embedding = causal_lm.count_parameters(args)
+    assert non_embedding == causal_lm.count_parameters(args, non_embedding=False) - 128 * 128
+    assert causal_lm.flops_per_token(model, lm_config()) == 6 * non_embedding + 12 * 4 * 4 * 32 * 128
+    assert causal_lm.tokens_per_sample(lm_config()) == 128
+    logits = model(torch.randint(0, 256, (2, 128)))
+    assert logits.shape == (2, 128, 256)
+
+
+def test_attention_is_causal():
+    torch.manual_seed(0)
+    model = causal_lm.build_model(lm_config(task_args={"block_size": 16, "n_layer": 2, "n_embd": 32})).eval()
+    tokens = torch.randint(0, 256, (1, 16))
+    changed = tokens.clone()
+    changed[0, 10:] = (changed[0, 10:] + 1) % 256
+    with torch.no_grad():
+        torch.testing.assert_close(model(changed)[:, :10], model(tokens)[:, :10])
+        assert not torch.allclose(model(changed)[:, 10:], model(tokens)[:, 10:])
+
+
+def test_eval_outputs_sum_token_losses():
+    model = causal_lm.build_model(lm_config(task_args={"block_size": 8, "n_layer": 1}))
+    inputs, targets = torch.randint(0, 256, (3, 8)), torch.randint(0, 256, (3, 8))
+    outputs = causal_lm.eval_outputs(model, (inputs, targets))
+    assert torch.equal(outputs["weight"], torch.full((3,), 8.0))
+    mean = causal_lm.training_loss(model, (inputs, targets))
+    torch.testing.assert_close(outputs["loss"].sum() / outputs["weight"].sum(), mean)
+    assert set(outputs) == {"loss", "weight"} and causal_lm.METRICS == []
+    assert causal_lm.derived_metrics({"eval/loss": 2.0}) == {"eval/perplexity": math.exp(2.0)}
+
+
+def test_prepared_text_splits_by_file():
+    from scripts.prepare_text import is_eval
+
+    train, evaluation = (pq.read_table(STDLIB / f"{split}.parquet").to_pydict() for split in ("train", "eval"))
+    assert set(train) == set(evaluation) == {"path", "text"}
+    assert not set(train["path"]) & set(evaluation["path"])
+    assert train["path"] == sorted(train["path"]) and all(map(is_eval, evaluation["path"]))
+    assert not any(is_eval(path) for path in train["path"])
+    assert not any(part in ("test", "tests", "site-packages") for p in train["path"] for part in p.split("/")[:-1])
+    assert 0.02 < len(evaluation["path"]) / (len(train["path"]) + len(evaluation["path"])) < 0.1
