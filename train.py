@@ -5,10 +5,10 @@
     python -c "from train import main; main(['--max_steps', '50'])"   # from Python or a notebook
 
 The story, top to bottom: config -> accelerator -> data, model, metric -> train loop (log, evaluate) -> save.
-Each plug point lives in src/: config.py, data.py, model.py, metrics.py, optim.py, tracking.py, checkpoint.py.
+What is trained is a task (src/tasks/: data, model, loss); the machinery around the loop lives in src/: config.py,
+distributed.py, optim.py, tracking.py, checkpoint.py, errors.py. Nothing here asks which process it runs on.
 """
 
-import gc
 import logging
 import math
 from dataclasses import replace
@@ -122,8 +122,6 @@ def train(config: TrainConfig) -> dict:
     preemption = PreemptionSignals(accelerator)
     early_stopping = EarlyStopping(config, state)
     progress = progress_bar(accelerator, total_steps, initial=step)
-    gc.collect()
-    gc.freeze()  # the objects set-up made live for the whole run: the collector need not scan them every step
     model.train()
     profiler = step_profiler(config, accelerator)
     profiler.start()
