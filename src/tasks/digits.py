@@ -3,8 +3,6 @@
 Edit `to_tensors` for your own preprocessing and src/model.py for your own model.
 """
 
-import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -12,6 +10,7 @@ from src.config import TrainConfig
 from src.data import load_splits
 from src.errors import UsageError
 from src.model import build_model as build_digits_model
+from src.tasks.classification import eval_outputs, training_loss  # noqa: F401 (this task's loss and eval)
 
 METRICS = ["accuracy"]
 
@@ -42,19 +41,3 @@ def to_tensors(split, config: TrainConfig) -> TensorDataset:
 
 def build_model(config: TrainConfig) -> nn.Module:
     return build_digits_model(config)
-
-
-def training_loss(model: nn.Module, batch) -> torch.Tensor:
-    inputs, labels = batch
-    return F.cross_entropy(model(inputs), labels)
-
-
-def eval_outputs(model: nn.Module, batch) -> dict[str, torch.Tensor]:
-    inputs, labels = batch
-    logits = model(inputs)
-    return {
-        "loss": F.cross_entropy(logits, labels, reduction="none"),
-        "weight": torch.ones_like(labels, dtype=torch.float32),
-        "predictions": logits.argmax(dim=-1),
-        "references": labels,
-    }

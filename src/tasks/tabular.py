@@ -10,13 +10,13 @@ mean and standard deviation (computed once, in memory).
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
 from src.config import TrainConfig
 from src.data import load_splits
 from src.errors import UsageError
+from src.tasks.classification import eval_outputs, training_loss  # noqa: F401 (this task's loss and eval)
 
 METRICS = ["accuracy"]
 
@@ -70,19 +70,3 @@ def build_model(config: TrainConfig) -> nn.Module:
     for _ in range(args.num_layers - 1):
         layers += [nn.Linear(args.hidden_size, args.hidden_size), nn.ReLU()]
     return nn.Sequential(*layers, nn.Linear(args.hidden_size, config.num_labels))
-
-
-def training_loss(model: nn.Module, batch) -> torch.Tensor:
-    features, labels = batch
-    return F.cross_entropy(model(features), labels)
-
-
-def eval_outputs(model: nn.Module, batch) -> dict[str, torch.Tensor]:
-    features, labels = batch
-    logits = model(features)
-    return {
-        "loss": F.cross_entropy(logits, labels, reduction="none"),
-        "weight": torch.ones_like(labels, dtype=torch.float32),
-        "predictions": logits.argmax(dim=-1),
-        "references": labels,
-    }
