@@ -57,5 +57,5 @@ command_line(main)(sys.argv[1:])" --task causal_lm --config configs/lm.yaml --pe
     --global_batch_size 64 --auto_find_batch_size true --max_steps 20
 if [ -f data/stdlib/train.parquet ] || "$PY" scripts/prepare_text.py > "$OUT/prepare_text.log" 2>&1; then
     check lm_gpu_bf16 "${LAUNCH[@]}" --config_file accelerate_configs/single_gpu.yaml train.py \
-        --config configs/lm_gpu.yaml --max_steps 300
+        --config configs/lm_gpu.yaml --max_steps "${LM_STEPS:-300}"
 fi
