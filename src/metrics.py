@@ -4,6 +4,7 @@ Every process computes the metric on the SAME gathered predictions (see `evaluat
 all processes agree on the result: no "4 accuracies on 4 GPUs".
 """
 
+import uuid
 from pathlib import Path
 
 LOCAL_METRICS = Path(__file__).parent / "evaluate_metrics"
@@ -16,9 +17,11 @@ def load_metrics(names: list[str]):
         return None
     import evaluate
 
+    # A fresh experiment id per load: processes on one machine never wait on each other's cache-file locks.
+    # (keep_in_memory=True would avoid the files, but fails on Python 3.12.3: its fingerprint pickles pyarrow types.)
+    experiment = uuid.uuid4().hex
     modules = []
     for name in names:
         local = LOCAL_METRICS / name
-        # keep_in_memory: processes on one machine must not share the metric's on-disk cache files
-        modules.append(evaluate.load(str(local) if local.is_dir() else name, keep_in_memory=True))
+        modules.append(evaluate.load(str(local) if local.is_dir() else name, experiment_id=experiment))
     return evaluate.combine(modules)
