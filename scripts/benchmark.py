@@ -38,6 +38,7 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, default=64, help="global batch")
     parser.add_argument("--processes", type=int, default=1)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per process (1: least noisy)")
     parser.add_argument("--output", type=Path, help="write the results as JSON here")
     parser.add_argument("--child", choices=["raw", "template"], help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -162,7 +163,9 @@ def run_template(args) -> dict:
 
 
 def child_main(args) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1" if args.processes > 1 else str(os.cpu_count()))
+    import torch
+
+    torch.set_num_threads(args.threads)
     result = run_raw(args) if args.child == "raw" else run_template(args)
     if int(os.environ.get("RANK", "0")) == 0:
         args.result.write_text(json.dumps(result))
@@ -174,7 +177,7 @@ def child_main(args) -> None:
 def child_command(args, side: str, result: Path) -> list[str]:
     script = [str(Path(__file__).resolve()), "--child", side, "--result", str(result)]
     options = ["--model", args.model, "--steps", str(args.steps), "--batch", str(args.batch),
-               "--processes", str(args.processes), "--device", args.device]  # fmt: skip
+               "--processes", str(args.processes), "--device", args.device, "--threads", str(args.threads)]  # fmt: skip
     if args.processes == 1:
         return [sys.executable, *script, *options]
     if side == "raw":
@@ -188,9 +191,7 @@ def child_command(args, side: str, result: Path) -> list[str]:
 def run_side(args, side: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
-        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        if args.processes > 1:
-            env["OMP_NUM_THREADS"] = "1"
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
         spawned = time.time()
         completed = subprocess.run(child_command(args, side, result), cwd=REPO, env=env, capture_output=True, text=True)
         if completed.returncode != 0:

@@ -17,5 +17,5 @@ def test_benchmark_writes_its_report(tmp_path):
         assert 0 < report[side]["seconds_to_first_step"]["median"] < 120
         assert report[side]["peak_memory_gb"] > 0
     assert report["settings"] == {"model": "linear", "rounds": 1, "steps": 40, "batch": 64, "processes": 1,
-                                  "device": "cpu"}  # fmt: skip
+                                  "device": "cpu", "threads": 1}  # fmt: skip
     assert "ratio template/raw" in result.stdout
