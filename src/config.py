@@ -176,6 +176,27 @@ def parse_config(argv: list[str] | None) -> TrainConfig:
     return TrainConfig(**namespace.as_dict())
 
 
+def parse_task_args(args_class, config: TrainConfig):
+    """`--task_args` checked against a task's own dataclass by the same parser as the rest of the config."""
+    import difflib
+
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(args_class, as_group=False)
+    keys = [f.name for f in dataclasses.fields(args_class)]
+    try:
+        values = parser.parse_object(config.task_args or {}).as_dict()
+    except Exception as err:
+        unknown = [k for k in (config.task_args or {}) if k not in keys]
+        close = difflib.get_close_matches(str(unknown[0]), keys, n=1) if unknown else []
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise UsageError(
+            f"--task_args for --task {config.task}: {one_line(err)}{hint} (the keys are {', '.join(keys)})"
+        ) from err
+    return args_class(**values)
+
+
 def one_line(err: Exception) -> str:
     return " ".join(str(err).split())
 

@@ -53,4 +53,4 @@ def test_tabular_with_named_features_and_a_bad_task_arg(tmp_path):
     assert_ok(named)
     assert read_metrics(out)[0]["setup/parameters"] == 4 * 64 + 64 + 64 * 64 + 64 + 64 * 10 + 10
     bad = run_train("--task", "tabular", *data, "--task_args", "{hidden: 8}", "--output_dir", str(tmp_path / "bad"))
-    assert bad.returncode == 2 and "allowed: features, hidden_size, num_layers" in bad.stderr.splitlines()[-1]
+    assert bad.returncode == 2 and "(the keys are features, hidden_size, num_layers)" in bad.stderr.splitlines()[-1]

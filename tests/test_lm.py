@@ -103,9 +103,9 @@ def lm_config(**overrides) -> TrainConfig:
 @pytest.mark.parametrize(
     "task_args, message",
     [
-        ({"n_layers": 2}, "unknown --task_args key 'n_layers'.*did you mean n_layer"),
-        ({"n_layer": "2"}, "n_layer must be an integer"),
-        ({"n_layer": True}, "n_layer must be an integer"),
+        ({"n_layers": 2}, "'n_layers' is not accepted; did you mean n_layer"),
+        ({"n_layer": "two"}, "n_layer.*Expected a <class 'int'>"),  # parsed like every config field ("2" is 2)
+        ({"n_layer": True}, "n_layer.*Expected a <class 'int'>"),
         ({"n_embd": 100, "n_head": 3}, "n_embd 100 must be divisible by n_head 3"),
         ({"dropout": 1.0}, r"dropout must lie in \[0, 1\)"),
         ({"max_train_tokens": 100}, "max_train_tokens must be > block_size"),

@@ -12,8 +12,6 @@ Each split's documents are joined with a separator byte and cut into fixed block
 transformer in the style of nanoGPT. Its options come from `--task_args` (see `LMArgs`), checked here.
 """
 
-import dataclasses
-import difflib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import Dataset
 
-from src.config import TrainConfig
+from src.config import TrainConfig, parse_task_args
 from src.data import load_splits
 from src.errors import UsageError
 
@@ -50,27 +48,7 @@ class LMArgs:
     @classmethod
     def from_config(cls, config: TrainConfig) -> "LMArgs":
         """Check `config.task_args`: unknown keys, wrong types and bad values raise a one-line UsageError."""
-        values = dict(config.task_args or {})
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        for key in values:
-            if key not in fields:
-                close = difflib.get_close_matches(str(key), fields, n=1)
-                hint = f"did you mean {close[0]}? " if close else ""
-                raise UsageError(
-                    f"unknown --task_args key {key!r} for --task causal_lm; {hint}the keys are {', '.join(fields)}"
-                )
-        for key, value in values.items():
-            number = (int, float) if key == "dropout" else int
-            nullable = key.startswith("max_")
-            if (value is None and not nullable) or (value is not None and not is_a(value, number)):
-                wanted = ("a number" if key == "dropout" else "an integer") + (" or null" if nullable else "")
-                example = 0.1 if key == "dropout" else getattr(cls, key) or 65536
-                raise UsageError(
-                    f"--task_args {key} must be {wanted} (got {value!r}); e.g. --task_args '{{{key}: {example}}}'"
-                )
-        if "dropout" in values:
-            values["dropout"] = float(values["dropout"])
-        args = cls(**values)
+        args = parse_task_args(cls, config)
         args.check()
         return args
 
@@ -91,10 +69,6 @@ class LMArgs:
             problems.append(f"dropout must lie in [0, 1) (got {self.dropout})")
         if problems:
             raise UsageError("--task_args: " + "; ".join(problems))
-
-
-def is_a(value, types) -> bool:
-    return isinstance(value, types) and not isinstance(value, bool)  # YAML's true is not the integer 1
 
 
 # --- data ---

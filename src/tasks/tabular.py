@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from src.config import TrainConfig
+from src.config import TrainConfig, parse_task_args
 from src.data import load_splits
 from src.errors import UsageError
 from src.tasks.classification import eval_outputs, training_loss  # noqa: F401 (this task's loss and eval)
@@ -29,10 +29,7 @@ class TabularArgs:
 
 
 def task_args(config: TrainConfig) -> TabularArgs:
-    try:
-        return TabularArgs(**config.task_args)
-    except TypeError as err:
-        raise UsageError(f"--task_args for tabular: {err}; allowed: features, hidden_size, num_layers") from err
+    return parse_task_args(TabularArgs, config)
 
 
 def feature_columns(config: TrainConfig, columns: list[str]) -> list[str]:
