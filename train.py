@@ -137,7 +137,8 @@ def train(config: TrainConfig) -> dict:
                 calls.backward(loss)
                 if accelerator.sync_gradients:
                     grad_norm = calls.clip_grad_norm(config.max_grad_norm or math.inf)
-                    if config.skip_nonfinite_batches and not torch.isfinite(grad_norm).all():  # a host sync: opt-in
+                    check = config.skip_nonfinite_batches and grad_norm is not None  # DeepSpeed may give None
+                    if check and not torch.isfinite(grad_norm).all():  # a host sync, so only when asked for
                         optimizer.zero_grad(set_to_none=True)  # same on every process: the norm is all-reduced
                         skipped_steps += 1
                     calls.optimizer_step()
