@@ -98,7 +98,6 @@ class StepCalls:
     def __init__(self, accelerator, model: nn.Module, optimizer):
         self.accelerator = accelerator
         self.model = model
-        self.optimizer = optimizer  # Accelerate's wrapper
         self.plain = (
             accelerator.distributed_type.value in self.PLAIN
             and accelerator.scaler is None
