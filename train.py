@@ -118,81 +118,81 @@ def train(config: TrainConfig) -> dict:
     losses = LossWindow(accelerator, accumulation, config.skip_nonfinite_batches)
     losses.load(state.loss_window, state.window_first_step)
     skipped_steps = 0
-    timer = StepTimer()
-    preemption = PreemptionSignals(accelerator)
+    timer = StepTimer(step)
     early_stopping = EarlyStopping(config, state)
     progress = progress_bar(accelerator, total_steps, initial=step)
     model.train()
     profiler = step_profiler(config, accelerator)
     profiler.start()
-    while step < total_steps:
-        epoch, steps_done_in_epoch = divmod(step, steps_per_epoch)
-        train_loader.set_epoch(epoch)  # the seedable sampler's permutation for this epoch
-        batches = train_loader  # a resumed run starts mid-epoch: skip the batches it has already trained on
-        if steps_done_in_epoch:
-            batches = accelerator.skip_first_batches(train_loader, steps_done_in_epoch * accumulation)
-        for batch in islice(batches, (steps_per_epoch - steps_done_in_epoch) * accumulation):
-            with calls.accumulate(model):  # accelerator.accumulate: gradients sync on the window's last batch only
-                loss = task.training_loss(model, batch)
-                calls.backward(loss)
-                if accelerator.sync_gradients:
-                    grad_norm = calls.clip_grad_norm(config.max_grad_norm or math.inf)
-                    check = config.skip_nonfinite_batches and grad_norm is not None  # DeepSpeed may give None
-                    if check and not torch.isfinite(grad_norm).all():  # a host sync, so only when asked for
-                        optimizer.zero_grad(set_to_none=True)  # same on every process: the norm is all-reduced
-                        skipped_steps += 1
-                    calls.optimizer_step()
-            losses.add(loss)
-            if not accelerator.sync_gradients:
-                continue
+    with PreemptionSignals(accelerator) as preemption:  # SIGTERM/SIGUSR1 -> checkpoint; restored however we leave
+        while step < total_steps:
+            epoch, steps_done_in_epoch = divmod(step, steps_per_epoch)
+            train_loader.set_epoch(epoch)  # the seedable sampler's permutation for this epoch
+            batches = train_loader  # a resumed run starts mid-epoch: skip the batches it has already trained on
+            if steps_done_in_epoch:
+                batches = accelerator.skip_first_batches(train_loader, steps_done_in_epoch * accumulation)
+            for batch in islice(batches, (steps_per_epoch - steps_done_in_epoch) * accumulation):
+                with calls.accumulate(model):  # accelerator.accumulate: gradients sync on the window's last batch only
+                    loss = task.training_loss(model, batch)
+                    calls.backward(loss)
+                    if accelerator.sync_gradients:
+                        grad_norm = calls.clip_grad_norm(config.max_grad_norm or math.inf)
+                        check = config.skip_nonfinite_batches and grad_norm is not None  # DeepSpeed may give None
+                        if check and not torch.isfinite(grad_norm).all():  # a host sync, so only when asked for
+                            optimizer.zero_grad(set_to_none=True)  # same on every process: the norm is all-reduced
+                            skipped_steps += 1
+                        calls.optimizer_step()
+                losses.add(loss)
+                if not accelerator.sync_gradients:
+                    continue
 
-            # --- one optimiser step done ---
-            lr_scheduler.step()
-            step += 1
-            progress.update()
-            profiler.step()
-            if step % config.logging_steps == 0 or step == total_steps:
-                steps_logged = losses.count // accumulation
-                train_loss = losses.mean(next_step=step + 1)  # waits for the device: time after it
-                step_time = timer.elapsed() / steps_logged
-                log_metrics(accelerator, {
-                    "train/loss": train_loss,
-                    "train/lr": lr_scheduler.get_last_lr()[0],
-                    **({"train/grad_norm": grad_norm.item()} if grad_norm is not None else {}),
-                    "train/samples_per_s": global_batch / step_time,
-                    **throughput(global_batch / step_time),
-                    "train/step_time_s": step_time,
-                    "train/peak_memory_gb": peak_memory_gb(accelerator.device),
-                    "epoch": step / steps_per_epoch,
-                    **({"train/skipped_steps": skipped_steps} if config.skip_nonfinite_batches else {}),
-                }, step)  # fmt: skip
-                progress.set_postfix(loss=f"{train_loss:.4f}", samples_per_s=f"{global_batch / step_time:.0f}")
-                timer.restart()
-            if step % config.eval_steps == 0 and step != total_steps:
-                with timer.paused():
-                    eval_metrics = evaluate(task, model, eval_loader, metric, accelerator)
-                    log_metrics(accelerator, eval_metrics, step)
-                if early_stopping.should_stop(eval_metrics, step):  # the same metrics, so the same answer everywhere
-                    total_steps = step  # finish here: the final checkpoint, evaluation and model follow
-            preempted = preemption.requested()
-            if preempted or step == total_steps or (config.save_steps and step % config.save_steps == 0):
-                state.step, state.preempted = step, preempted
-                state.loss_window, state.window_first_step = losses.state(), losses.first_step  # NaN check too
-                with timer.paused():
-                    saved = save_checkpoint(accelerator, config, state)
-                if preempted:
-                    raise TrainingPreempted(f"checkpoint {saved} saved; run the same command to resume")
-            if step >= total_steps:
-                break
-    progress.close()
-    profiler.stop()
+                # --- one optimiser step done ---
+                lr_scheduler.step()
+                step += 1
+                progress.update()
+                profiler.step()
+                if step % config.logging_steps == 0 or step == total_steps:
+                    train_loss = losses.mean(next_step=step + 1)  # waits for the device: time after it
+                    step_time = timer.seconds_per_step(step)
+                    log_metrics(accelerator, {
+                        "train/loss": train_loss,
+                        "train/lr": lr_scheduler.get_last_lr()[0],
+                        **({"train/grad_norm": grad_norm.item()} if grad_norm is not None else {}),
+                        "train/samples_per_s": global_batch / step_time,
+                        **throughput(global_batch / step_time),
+                        "train/step_time_s": step_time,
+                        "train/peak_memory_gb": peak_memory_gb(accelerator.device),
+                        "epoch": step / steps_per_epoch,
+                        **({"train/skipped_steps": skipped_steps} if config.skip_nonfinite_batches else {}),
+                    }, step)  # fmt: skip
+                    progress.set_postfix(loss=f"{train_loss:.4f}", samples_per_s=f"{global_batch / step_time:.0f}")
+                    timer.restart(step)
+                if step % config.eval_steps == 0 and step != total_steps:
+                    with timer.paused():
+                        eval_metrics = evaluate(task, model, eval_loader, metric, accelerator)
+                        log_metrics(accelerator, eval_metrics, step)
+                    if early_stopping.should_stop(
+                        eval_metrics, step
+                    ):  # the same metrics, so the same answer everywhere
+                        total_steps = step  # finish here: the final checkpoint, evaluation and model follow
+                preempted = preemption.requested()
+                if preempted or step == total_steps or (config.save_steps and step % config.save_steps == 0):
+                    state.step, state.preempted = step, preempted
+                    state.loss_window, state.window_first_step = losses.state(), losses.first_step  # NaN check too
+                    with timer.paused():
+                        saved = save_checkpoint(accelerator, config, state)
+                    if preempted:
+                        raise TrainingPreempted(f"checkpoint {saved} saved; run the same command to resume")
+                if step >= total_steps:
+                    break
+        progress.close()
+        profiler.stop()
 
-    # --- final evaluation and model ---
-    final_metrics = evaluate(task, model, eval_loader, metric, accelerator)
-    log_metrics(accelerator, final_metrics, step)
-    model_dir = save_final_model(accelerator, model, output_dir)
-    logger.info("model saved to %s; metrics in %s", model_dir, output_dir / "metrics.jsonl")
-    preemption.close()  # a signal during the final evaluation or save: the run finishes, nothing to resume
+        # --- final evaluation and model (a signal now changes nothing: the run is finishing) ---
+        final_metrics = evaluate(task, model, eval_loader, metric, accelerator)
+        log_metrics(accelerator, final_metrics, step)
+        model_dir = save_final_model(accelerator, model, output_dir)
+        logger.info("model saved to %s; metrics in %s", model_dir, output_dir / "metrics.jsonl")
     accelerator.end_training()
     return final_metrics
 

@@ -6,10 +6,11 @@
     python scripts/benchmark.py --device cuda                   # on a GPU
 
 Each round runs (a) a minimal raw PyTorch loop and (b) `train.main`, the code `python train.py` runs, each in a
-fresh process, in the order a b a b ... so machine drift cancels. Both train the same model on the same data with
-the same batch, optimiser, LR schedule and clipping. Both are timed the same way: a timestamp at every optimiser
-step (the LR scheduler's step); steady-state samples/s is taken over the steps after the first quarter.
-Reported: samples/s per side (median, min, max over rounds), ratio b/a of the medians, time from process start
+fresh process, in the order a b a b ... Both train the same model on the same data with the same batch, optimiser,
+LR schedule and clipping, and run with the same allocator settings. Both are timed the same way: a timestamp at
+every optimiser step (the LR scheduler's step); steady-state samples/s is taken over the steps after the first
+quarter. Reported: `ratio`, the median over rounds of b/a within each round (the pair is seconds apart, so drift of
+the machine cancels), the round ratios, samples/s per side (median, min, max over rounds), time from process start
 to the first optimiser step, and peak memory (CUDA allocated, or the process's resident set on CPU).
 """
 
@@ -33,7 +34,7 @@ sys.path.insert(0, str(REPO))
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["cnn", "linear"], default="cnn")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--steps", type=int, help="optimiser steps per run (default: 400 cnn, 2000 linear)")
     parser.add_argument("--batch", type=int, default=64, help="global batch")
     parser.add_argument("--processes", type=int, default=1)
@@ -188,10 +189,18 @@ def child_command(args, side: str, result: Path) -> list[str]:
     return [sys.executable, *launcher, *script, *options]
 
 
+# glibc's malloc by default hands freed activations back to the OS and page-faults them in again on the next step:
+# 400-1,100 faults per CNN step here, a count that differs from process to process and moves the speed of the same
+# loop by up to 10% between runs. Both sides run with the same two allocator settings that stop the give-back, so
+# the comparison sees the loops, not the allocator's luck. (Huge pages as well favoured the raw side: not used.)
+STEADY_ALLOCATOR = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296"
+
+
 def run_side(args, side: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads),
+               "GLIBC_TUNABLES": STEADY_ALLOCATOR}  # fmt: skip
         spawned = time.time()
         completed = subprocess.run(child_command(args, side, result), cwd=REPO, env=env, capture_output=True, text=True)
         if completed.returncode != 0:
@@ -212,10 +221,11 @@ def main(argv=None) -> dict:
         return {}
     runs = {"raw": [], "template": []}
     for round_index in range(args.rounds):
-        for side in runs:  # a b a b ...: drift of the machine hits both sides alike
+        for side in runs:  # a b a b ...: each template run is compared with the raw run just before it
             runs[side].append(run_side(args, side))
-            print(f"round {round_index + 1}/{args.rounds} {side:8s} "
-                  f"{runs[side][-1]['samples_per_s']:9.0f} samples/s", flush=True)  # fmt: skip
+        raw, template = runs["raw"][-1]["samples_per_s"], runs["template"][-1]["samples_per_s"]
+        print(f"round {round_index + 1}/{args.rounds}: raw {raw:9.0f} samples/s, template {template:9.0f}, "
+              f"ratio {template / raw:.3f}", flush=True)  # fmt: skip
     sides = {
         side: {
             "samples_per_s": spread([r["samples_per_s"] for r in results]),
@@ -224,8 +234,10 @@ def main(argv=None) -> dict:
         }
         for side, results in runs.items()
     }
+    round_ratios = [b["samples_per_s"] / a["samples_per_s"] for a, b in zip(runs["raw"], runs["template"], strict=True)]
     report = {
-        "ratio": sides["template"]["samples_per_s"]["median"] / sides["raw"]["samples_per_s"]["median"],
+        "ratio": statistics.median(round_ratios),
+        "round_ratios": round_ratios,
         "raw": sides["raw"],
         "template": sides["template"],
         "settings": {k: v for k, v in vars(args).items() if k not in ("child", "result", "output")},

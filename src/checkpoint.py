@@ -245,8 +245,12 @@ class PreemptionSignals:
         self.pending = dist.all_reduce(self.flag, group=self.group, async_op=True)
         return agreed
 
-    def close(self):
-        if not self.alone and self.pending is not None:
-            self.pending.wait()
+    def __enter__(self):
+        return self
+
+    def __exit__(self, error_type, error, traceback):
+        """Restore the handlers we replaced, also when training raised: a notebook's kernel keeps its own."""
+        if error_type is None and not self.alone and self.pending is not None:
+            self.pending.wait()  # the last all-reduce in flight (not after an error: a peer may be gone)
         for name, handler in self.previous.items():
             signal.signal(getattr(signal, name), handler)

@@ -175,10 +175,6 @@ class LossWindow:
     def add(self, loss: torch.Tensor) -> None:
         self.values.append(loss.detach())
 
-    @property
-    def count(self) -> int:
-        return len(self.values)
-
     def reduced(self) -> torch.Tensor:
         """The window's values, each averaged over processes; raises on a non-finite one unless skipping."""
         if not self.values:
@@ -209,16 +205,19 @@ class LossWindow:
 
 
 class StepTimer:
-    """Wall time spent in training steps since `restart()`; evaluation and checkpoints run inside `paused()`."""
+    """Seconds per optimiser step since `restart(step)`; evaluation and checkpoints run inside `paused()`.
 
-    def __init__(self):
-        self.start = time.perf_counter()
+    It counts its own steps: after a resume the loss window holds steps trained before the restart, which the
+    clock did not see."""
 
-    def restart(self) -> None:
-        self.start = time.perf_counter()
+    def __init__(self, step: int):
+        self.restart(step)
 
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start
+    def restart(self, step: int) -> None:
+        self.start, self.start_step = time.perf_counter(), step
+
+    def seconds_per_step(self, step: int) -> float:
+        return (time.perf_counter() - self.start) / max(step - self.start_step, 1)
 
     @contextlib.contextmanager
     def paused(self):

@@ -107,3 +107,17 @@ def test_plot_script_on_real_runs(tmp_path):
     png = tmp_path / "curves.png"
     assert_ok(run_python("scripts/plot_metrics.py", *runs, "-o", str(png)))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_step_timer_counts_only_the_steps_it_timed(monkeypatch):
+    """After a resume at step 100 the loss window also holds steps trained before it; the clock saw 10 steps."""
+    from src import tracking
+
+    clock = iter([50.0, 52.0, 53.0, 60.0, 61.0, 62.0])
+    monkeypatch.setattr(tracking.time, "perf_counter", lambda: next(clock))
+    timer = tracking.StepTimer(step=100)  # started at 50 s
+    assert timer.seconds_per_step(110) == pytest.approx(0.2)  # 52 s: 2 s over 10 steps
+    timer.restart(110)  # at 53 s
+    with timer.paused():  # 60 -> 61 s: an evaluation, not counted
+        pass
+    assert timer.seconds_per_step(120) == pytest.approx((62.0 - 53.0 - 1.0) / 10)

@@ -63,3 +63,21 @@ def test_batchnorm_on_two_cpu_processes_warns_once(out):
     result = run_train(*QUICK, "--output_dir", str(out), "--norm", "batch", processes=2)
     assert_ok(result)
     assert (result.stdout + result.stderr).count("BatchNorm statistics are per process") == 1
+
+
+def test_main_in_process_restores_signal_handlers_even_when_training_fails(tmp_path, fresh_accelerate_state,
+                                                                           monkeypatch):  # fmt: skip
+    """A notebook calling main() keeps its own SIGTERM/SIGUSR1 handlers, after a run that raised as well."""
+    import signal
+
+    from src.tasks import digits
+    from train import main
+
+    def broken_loss(model, batch):
+        raise RuntimeError("the model broke")
+
+    before = {name: signal.getsignal(name) for name in (signal.SIGTERM, signal.SIGUSR1)}
+    monkeypatch.setattr(digits, "training_loss", broken_loss)
+    with pytest.raises(RuntimeError, match="the model broke"):
+        main(TrainConfig(output_dir=str(tmp_path / "run"), max_steps=4, eval_steps=1000))
+    assert {name: signal.getsignal(name) for name in before} == before
