@@ -175,7 +175,7 @@ def train(config: TrainConfig) -> dict:
                         eval_metrics, step
                     ):  # the same metrics, so the same answer everywhere
                         total_steps = step  # finish here: the final checkpoint, evaluation and model follow
-                preempted = preemption.requested()
+                preempted = preemption.requested(step)
                 if preempted or step == total_steps or (config.save_steps and step % config.save_steps == 0):
                     state.step, state.preempted = step, preempted
                     state.loss_window, state.window_first_step = losses.state(), losses.first_step  # NaN check too
