@@ -107,11 +107,12 @@ class StepCalls:
             and not accelerator.has_lomo_optimizer
         )
         self.torch_optimizer = optimizer.optimizer if self.plain else optimizer
+        self.accumulation = accelerator.gradient_accumulation_steps  # fixed for the run; read once, not per step
 
     def accumulate(self, model: nn.Module):
         """`accelerator.accumulate(model)`; without accumulation every batch is a step and the context would do
         nothing but cost ~19 us per step (measured), so it is skipped then."""
-        if self.accelerator.gradient_accumulation_steps > 1:
+        if self.accumulation > 1:
             return self.accelerator.accumulate(model)
         return contextlib.nullcontext()
 
@@ -119,8 +120,7 @@ class StepCalls:
         """Inside `accelerator.accumulate`: the loss is scaled for accumulation, as Accelerate does."""
         if not self.plain:
             return self.accelerator.backward(loss)
-        accumulation = self.accelerator.gradient_accumulation_steps
-        (loss / accumulation if accumulation > 1 else loss).backward()
+        (loss / self.accumulation if self.accumulation > 1 else loss).backward()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor | None:
         """The total gradient norm (all-reduced gradients: the same on every process), clipped to `max_norm`."""
