@@ -52,8 +52,8 @@ def build_accelerator(config: TrainConfig, log_with: list):
             # an epoch's end makes an extra, smaller optimiser step that a different process count would not make
             gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=accumulation, sync_with_dataloader=False),
             dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
-            # on the CPU everything already is where it runs; placement would only re-check each batch (~1% of a
-            # tiny model's step, measured with scripts/benchmark.py)
+            # on the CPU everything already is where it runs; placement would only re-check each batch (~1% of the
+            # benchmark's tiny model step, in an A/B of the data loader alone)
             device_placement=not use_cpu,
             **options,
         )
