@@ -171,9 +171,8 @@ def train(config: TrainConfig) -> dict:
                     with timer.paused():
                         eval_metrics = evaluate(task, model, eval_loader, metric, accelerator)
                         log_metrics(accelerator, eval_metrics, step)
-                    if early_stopping.should_stop(
-                        eval_metrics, step
-                    ):  # the same metrics, so the same answer everywhere
+                    # the metrics are gathered from all processes, so every process gets the same answer
+                    if early_stopping.should_stop(eval_metrics, step):
                         total_steps = step  # finish here: the final checkpoint, evaluation and model follow
                 preempted = preemption.requested(step)
                 if preempted or step == total_steps or (config.save_steps and step % config.save_steps == 0):
