@@ -4,9 +4,11 @@
     accelerate launch --config_file accelerate_configs/ddp.yaml train.py --config configs/default.yaml
     python -c "from train import main; main(['--max_steps', '50'])"   # from Python or a notebook
 
-The story, top to bottom: config -> accelerator -> data, model, metric -> train loop (log, evaluate) -> save.
-What is trained is a task (src/tasks/: data, model, loss); the machinery around the loop lives in src/: config.py,
-distributed.py, optim.py, tracking.py, checkpoint.py, errors.py. Nothing here asks which process it runs on.
+The story, top to bottom: config -> accelerator -> task (data, model, metric) -> train loop (log, evaluate) -> save.
+What is trained is a task (src/tasks/: one class with its data, model, loss and metrics); the machinery around the
+loop lives in src/: config.py, distributed.py, optim.py, tracking.py (what the main process writes), meters.py,
+checkpoint.py, errors.py. Nothing here asks which process it runs on. Edit this loop freely: docs/customize.md
+says what must stay for 1 process and N processes to train the same.
 """
 
 import logging
@@ -17,6 +19,7 @@ from itertools import islice
 import torch
 
 from src.checkpoint import (
+    METRICS_FILE,
     PreemptionSignals,
     TrainerState,
     find_resume_checkpoint,
@@ -25,33 +28,23 @@ from src.checkpoint import (
     save_checkpoint,
     save_final_model,
 )
-from src.config import TrainConfig, parse_config
-from src.data import build_dataloaders, check_split_sizes
-from src.distributed import StepCalls, build_accelerator, enable_gradient_checkpointing, sync_batchnorm
+from src.config import TrainConfig, parse_config, resolve
+from src.data import build_dataloaders, check_first_batch, check_split_sizes
+from src.distributed import DirectOptimizer, build_accelerator, enable_gradient_checkpointing, sync_batchnorm
 from src.errors import TrainingPreempted, command_line
+from src.meters import LossWindow, StepTimer, peak_memory_gb, step_profiler, throughput_metrics
 from src.metrics import load_metrics
 from src.optim import EarlyStopping, build_optimizer, build_scheduler
-from src.tasks import load_task
-from src.tracking import (
-    LossWindow,
-    StepTimer,
-    build_trackers,
-    log_metrics,
-    peak_memory_gb,
-    progress_bar,
-    setup_logging,
-    setup_metrics,
-    start_tracking,
-    step_profiler,
-    throughput_metrics,
-)
+from src.tasks import build_task
+from src.tasks.base import task_errors
+from src.tracking import build_trackers, log_metrics, progress_bar, setup_logging, setup_metrics, start_tracking
 
 logger = logging.getLogger("train")
 
 
 def main(args: list[str] | TrainConfig | None = None) -> dict:
     """Train and evaluate; returns the final eval metrics. `args`: CLI flags, a TrainConfig, or None (sys.argv)."""
-    config = args if isinstance(args, TrainConfig) else parse_config(args)
+    config = resolve(args) if isinstance(args, TrainConfig) else parse_config(args)
     if not config.auto_find_batch_size:
         return train(config)
     from accelerate.utils import find_executable_batch_size
@@ -79,26 +72,27 @@ def train(config: TrainConfig) -> dict:
     from accelerate.utils import set_seed
 
     set_seed(config.seed)  # same seed on every process: identical initial weights, like a broadcast
-
-    # --- data, model, optimiser, metric ---
     accumulation = accelerator.gradient_accumulation_steps
     global_batch = config.per_device_train_batch_size * accelerator.num_processes * accumulation
-    task = load_task(config.task)
-    train_loader, eval_loader = build_dataloaders(*task.build_datasets(config), config)
+
+    # --- the task: data, model, metric; then the optimiser ---
+    task = build_task(config)
+    train_loader, eval_loader = build_dataloaders(*task.build_datasets(), config, task.collate_fn())
     check_split_sizes(train_loader, eval_loader, global_batch, accelerator.num_processes)
-    model = sync_batchnorm(task.build_model(config), accelerator)
+    check_first_batch(train_loader, task)
+    model = sync_batchnorm(task.build_model(), accelerator)
     if config.gradient_checkpointing:
         enable_gradient_checkpointing(model)
-    optimizer = build_optimizer(model, config)
-    metric = load_metrics(task.METRICS if config.metrics is None else config.metrics)
-    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    metric = load_metrics(task.metrics if config.metrics is None else config.metrics)
+    model, optimizer, train_loader, eval_loader = accelerator.prepare(
+        model, build_optimizer(model, config), train_loader, eval_loader
+    )
+    optimizer = DirectOptimizer(accelerator, model, optimizer)  # backward / clip / step without wrapper overhead
 
     # --- how long: counted in optimiser steps, each seeing the same global batch on any process count ---
     steps_per_epoch = len(train_loader) // accumulation  # a trailing partial window is skipped, see distributed.py
     total_steps = config.max_steps if config.max_steps > 0 else math.ceil(config.num_train_epochs * steps_per_epoch)
-    throughput = throughput_metrics(task, config, accelerator, model)  # tokens/s and MFU for tasks with tokens
-    calls = StepCalls(accelerator, model, optimizer)  # backward / clip / step without per-step wrapper overhead
-    lr_scheduler = build_scheduler(calls.torch_optimizer, config, total_steps)  # stepped once per optimiser step
+    lr_scheduler = build_scheduler(optimizer.optimizer, config, total_steps)  # stepped once per optimiser step
     accelerator.register_for_checkpointing(lr_scheduler)
 
     # --- resume: weights, optimiser, scheduler and RNG from the checkpoint; the data position from the step ---
@@ -119,81 +113,96 @@ def train(config: TrainConfig) -> dict:
     losses.load(state.loss_window, state.window_first_step)
     skipped_steps = 0
     timer = StepTimer(step)
+    throughput = throughput_metrics(task, accelerator)  # tokens/s and MFU for tasks that count tokens
     early_stopping = EarlyStopping(config, state)
     progress = progress_bar(accelerator, total_steps, initial=step)
-    model.train()
     profiler = step_profiler(config, accelerator)
     profiler.start()
-    with PreemptionSignals(accelerator) as preemption:  # SIGTERM/SIGUSR1 -> checkpoint; restored however we leave
-        while step < total_steps:
-            epoch, steps_done_in_epoch = divmod(step, steps_per_epoch)
-            train_loader.set_epoch(epoch)  # the seedable sampler's permutation for this epoch
-            batches = train_loader  # a resumed run starts mid-epoch: skip the batches it has already trained on
-            if steps_done_in_epoch:
-                batches = accelerator.skip_first_batches(train_loader, steps_done_in_epoch * accumulation)
-            for batch in islice(batches, (steps_per_epoch - steps_done_in_epoch) * accumulation):
-                with calls.accumulate(model):  # accelerator.accumulate: gradients sync on the window's last batch only
-                    loss = task.training_loss(model, batch)
-                    calls.backward(loss)
-                    if accelerator.sync_gradients:
-                        grad_norm = calls.clip_grad_norm(config.max_grad_norm or math.inf)
-                        check = config.skip_nonfinite_batches and grad_norm is not None  # DeepSpeed may give None
-                        if check and not torch.isfinite(grad_norm).all():  # a host sync, so only when asked for
-                            optimizer.zero_grad(set_to_none=True)  # same on every process: the norm is all-reduced
-                            skipped_steps += 1
-                        calls.optimizer_step()
-                losses.add(loss)
-                if not accelerator.sync_gradients:
-                    continue
+    model.train()
+    # SIGTERM/SIGUSR1 -> checkpoint (handlers restored however we leave); an error in the task's code -> one line
+    with PreemptionSignals(accelerator) as preemption, task_errors(task):
+        for batch in train_batches(accelerator, train_loader, step, steps_per_epoch):
+            with optimizer.accumulate(model):  # accelerator.accumulate: gradients sync on the window's last batch
+                loss = task.loss(model, batch)
+                optimizer.backward(loss)
+                if accelerator.sync_gradients:
+                    grad_norm = optimizer.clip_grad_norm(config.max_grad_norm or math.inf)
+                    skip = config.skip_nonfinite_batches and not is_finite(grad_norm)  # a host sync: only if asked
+                    if skip:  # the same on every process: the norm is of the all-reduced gradients
+                        optimizer.zero_grad()
+                        skipped_steps += 1
+                    optimizer.step()
+            losses.add(loss)
+            if not accelerator.sync_gradients:
+                continue
 
-                # --- one optimiser step done ---
-                lr_scheduler.step()
-                step += 1
-                progress.update()
-                profiler.step()
-                if step % config.logging_steps == 0 or step == total_steps:
-                    train_loss = losses.mean(next_step=step + 1)  # waits for the device: time after it
-                    step_time = timer.seconds_per_step(step)
-                    log_metrics(accelerator, {
-                        "train/loss": train_loss,
-                        "train/lr": lr_scheduler.get_last_lr()[0],
-                        **({"train/grad_norm": grad_norm.item()} if grad_norm is not None else {}),
-                        "train/samples_per_s": global_batch / step_time,
-                        **throughput(global_batch / step_time),
-                        "train/step_time_s": step_time,
-                        "train/peak_memory_gb": peak_memory_gb(accelerator.device),
-                        "epoch": step / steps_per_epoch,
-                        **({"train/skipped_steps": skipped_steps} if config.skip_nonfinite_batches else {}),
-                    }, step)  # fmt: skip
-                    progress.set_postfix(loss=f"{train_loss:.4f}", samples_per_s=f"{global_batch / step_time:.0f}")
-                    timer.restart(step)
-                if step % config.eval_steps == 0 and step != total_steps:
-                    with timer.paused():
-                        eval_metrics = evaluate(task, model, eval_loader, metric, accelerator)
-                        log_metrics(accelerator, eval_metrics, step)
-                    # the metrics are gathered from all processes, so every process gets the same answer
-                    if early_stopping.should_stop(eval_metrics, step):
-                        total_steps = step  # finish here: the final checkpoint, evaluation and model follow
-                preempted = preemption.requested(step)
-                if preempted or step == total_steps or (config.save_steps and step % config.save_steps == 0):
-                    state.step, state.preempted = step, preempted
-                    state.loss_window, state.window_first_step = losses.state(), losses.first_step  # NaN check too
-                    with timer.paused():
-                        saved = save_checkpoint(accelerator, config, state)
-                    if preempted:
-                        raise TrainingPreempted(f"checkpoint {saved} saved; run the same command to resume")
-                if step >= total_steps:
-                    break
+            # --- one optimiser step done ---
+            lr_scheduler.step()
+            step += 1
+            progress.update()
+            profiler.step()
+            if step % config.logging_steps == 0 or step == total_steps:
+                train_loss = losses.mean(next_step=step + 1)  # waits for the device: time after it
+                step_time = timer.seconds_per_step(step)
+                log_metrics(accelerator, {
+                    "train/loss": train_loss,
+                    "train/lr": lr_scheduler.get_last_lr()[0],
+                    **({"train/grad_norm": grad_norm.item()} if grad_norm is not None else {}),
+                    "train/samples_per_s": global_batch / step_time,
+                    **throughput(global_batch / step_time),
+                    "train/step_time_s": step_time,
+                    "train/peak_memory_gb": peak_memory_gb(accelerator.device),
+                    "epoch": step / steps_per_epoch,
+                    **({"train/skipped_steps": skipped_steps} if config.skip_nonfinite_batches else {}),
+                }, step)  # fmt: skip
+                progress.set_postfix(loss=f"{train_loss:.4f}", samples_per_s=f"{global_batch / step_time:.0f}")
+                timer.restart(step)
+            if step % config.eval_steps == 0 and step != total_steps:
+                with timer.paused():
+                    eval_metrics = evaluate(task, model, eval_loader, metric, accelerator)
+                    log_metrics(accelerator, eval_metrics, step)
+                # the metrics are gathered from all processes, so every process gets the same answer
+                if early_stopping.should_stop(eval_metrics, step):
+                    total_steps = step  # finish here: the final checkpoint, evaluation and model follow
+            preempted = preemption.requested(step)
+            if preempted or step == total_steps or (config.save_steps and step % config.save_steps == 0):
+                state.step, state.preempted = step, preempted
+                state.loss_window, state.window_first_step = losses.state(), losses.first_step  # NaN check too
+                with timer.paused():
+                    saved = save_checkpoint(accelerator, config, state)
+                if preempted:
+                    raise TrainingPreempted(f"checkpoint {saved} saved; run the same command to resume")
+            if step >= total_steps:
+                break
         progress.close()
         profiler.stop()
 
         # --- final evaluation and model (a signal now changes nothing: the run is finishing) ---
         final_metrics = evaluate(task, model, eval_loader, metric, accelerator)
         log_metrics(accelerator, final_metrics, step)
-        model_dir = save_final_model(accelerator, model, output_dir)
-        logger.info("model saved to %s; metrics in %s", model_dir, output_dir / "metrics.jsonl")
+        model_dir = save_final_model(accelerator, task, model, output_dir)
+        logger.info("model saved to %s; metrics in %s", model_dir, output_dir / METRICS_FILE)
     accelerator.end_training()
     return final_metrics
+
+
+def train_batches(accelerator, train_loader, start_step: int, steps_per_epoch: int):
+    """Micro-batches in whole accumulation windows, epoch after epoch, from the one after `start_step`'s.
+
+    The seedable sampler's permutation is a function of the seed and the epoch, so a resumed run skips exactly
+    the batches it has trained on. Runs until the caller stops.
+    """
+    accumulation = accelerator.gradient_accumulation_steps
+    epoch, steps_done = divmod(start_step, steps_per_epoch)
+    while True:
+        train_loader.set_epoch(epoch)
+        batches = accelerator.skip_first_batches(train_loader, steps_done * accumulation) if steps_done else train_loader
+        yield from islice(batches, (steps_per_epoch - steps_done) * accumulation)
+        epoch, steps_done = epoch + 1, 0
+
+
+def is_finite(grad_norm: torch.Tensor | None) -> bool:
+    return grad_norm is None or bool(torch.isfinite(grad_norm).all())  # DeepSpeed may give no norm
 
 
 @torch.no_grad()
@@ -216,8 +225,7 @@ def evaluate(task, model, eval_loader, metric, accelerator) -> dict:
     scores = {"eval/loss": (loss_sum / weight_sum).item()}
     if metric is not None:
         scores |= {f"eval/{name}": value for name, value in metric.compute().items()}
-    if hasattr(task, "derived_metrics"):
-        scores |= task.derived_metrics(scores)
+    scores |= task.derived_metrics(scores)
     return {**scores, "eval/num_samples": num_samples}
 
 

@@ -74,20 +74,20 @@ def summarize(times: list[float], batch: int) -> dict:
 
 
 def peak_memory_gb(device) -> float:
-    from src.tracking import peak_memory_gb as measure
+    from src.meters import peak_memory_gb as measure
 
     return measure(device)
 
 
 def training_config(args, output_dir: str):
-    from src.config import TrainConfig
+    from src.config import TrainConfig, resolve
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    return TrainConfig(
-        output_dir=output_dir, model=args.model, max_steps=args.steps, global_batch_size=args.batch,
+    return resolve(TrainConfig(
+        output_dir=output_dir, task_args={"model": args.model}, max_steps=args.steps, global_batch_size=args.batch,
         per_device_train_batch_size=args.batch // world, logging_steps=50, eval_steps=10**9, save_steps=0,
         save_total_limit=None, report_to="none",
-    )  # fmt: skip
+    ))  # fmt: skip
 
 
 # --- (a) the raw loop ---
@@ -100,8 +100,8 @@ def run_raw(args) -> dict:
     import torch.nn.functional as F
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-    from src.model import build_model
     from src.optim import build_optimizer, build_scheduler
+    from src.tasks import build_task
 
     times = record_step_times()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -118,7 +118,7 @@ def run_raw(args) -> dict:
     )
 
     torch.manual_seed(config.seed)
-    model = build_model(config).to(device)
+    model = build_task(config).build_model().to(device)  # the same network, none of the template's loop
     optimizer = build_optimizer(model, config)
     scheduler = build_scheduler(optimizer, config, args.steps)
     if world > 1:

@@ -19,12 +19,16 @@ from pathlib import Path
 import torch
 
 from src.config import TrainConfig, save_config
-from src.errors import UsageError
+from src.errors import CheckpointWriteFailed, UsageError
 
 logger = logging.getLogger(__name__)
 
-# What a run writes into output_dir; --overwrite_output_dir removes exactly these, nothing else of the user's.
-RUN_ARTIFACTS = ("metrics.jsonl", "config.yaml", "checkpoints", "model", "wandb")
+# What a run writes into output_dir, each name spelled once here; --overwrite_output_dir removes exactly these.
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINTS_DIR = "checkpoints"
+MODEL_DIR = "model"
+RUN_ARTIFACTS = (METRICS_FILE, CONFIG_FILE, CHECKPOINTS_DIR, MODEL_DIR, "wandb")
 STATE_FILE = "trainer_state.json"
 TMP_PREFIX = ".tmp_"
 
@@ -54,7 +58,7 @@ def find_resume_checkpoint(config: TrainConfig) -> Path | None:
     if config.resume_from_checkpoint == "latest":
         complete = complete_checkpoints(Path(config.output_dir))
         if not complete:
-            logger.info("no checkpoint in %s yet: starting fresh", Path(config.output_dir) / "checkpoints")
+            logger.info("no checkpoint in %s yet: starting fresh", Path(config.output_dir) / CHECKPOINTS_DIR)
         return complete[-1] if complete else None
     path = Path(config.resume_from_checkpoint)
     if not (path / STATE_FILE).is_file():
@@ -66,12 +70,17 @@ def find_resume_checkpoint(config: TrainConfig) -> Path | None:
 
 
 def prepare_output_dir(accelerator, config: TrainConfig, resume_step: int | None) -> Path:
-    """Every process checks, then the main process writes: a refused run leaves every file as it was."""
+    """Every process checks, then the main process writes: a refused run leaves every file as it was.
+
+    A previous run that never finished an optimiser step (it failed while starting) holds nothing worth keeping:
+    it is replaced without asking, so the same command can simply be run again.
+    """
     output_dir = Path(config.output_dir)
     artifacts = [*RUN_ARTIFACTS, config.project_name]  # tensorboard logs go to output_dir/project_name
     previous = [name for name in artifacts if (output_dir / name).exists()]
     replacing = previous and resume_step is None
-    if replacing and not (config.overwrite_output_dir or config.resume_from_checkpoint == "latest"):
+    asked = config.overwrite_output_dir or config.resume_from_checkpoint == "latest" or not trained_any_step(output_dir)
+    if replacing and not asked:
         raise UsageError(
             f"{output_dir} already holds a run ({', '.join(previous)}); continue it with --resume_from_checkpoint "
             "latest, replace it with --overwrite_output_dir true, or choose another --output_dir"
@@ -86,19 +95,36 @@ def prepare_output_dir(accelerator, config: TrainConfig, resume_step: int | None
             truncate_metrics(output_dir, resume_step or 0)
         remove_incomplete_checkpoints(output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
-        save_config(config, output_dir / "config.yaml")
+        save_config(config, output_dir / CONFIG_FILE)
     accelerator.wait_for_everyone()
     return output_dir
+
+
+def trained_any_step(output_dir: Path) -> bool:
+    """Whether a run in output_dir got past its first optimiser step: a checkpoint, a model or a logged step."""
+    if (output_dir / CHECKPOINTS_DIR).is_dir() or (output_dir / MODEL_DIR).exists():
+        return True
+    metrics = output_dir / METRICS_FILE
+    if not metrics.is_file():
+        return False
+    for line in metrics.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) > 0:
+                return True
+        except ValueError:
+            return True  # not ours to judge: keep it
+    return False
 
 
 def remove(path: Path) -> None:
     shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
-def save_final_model(accelerator, model, output_dir: Path) -> Path:
-    """Weights as safetensors, gathered from every process (FSDP/DeepSpeed shards included)."""
-    model_dir = output_dir / "model"
-    accelerator.save_model(model, model_dir, safe_serialization=True)
+def save_final_model(accelerator, task, model, output_dir: Path) -> Path:
+    """The task's format (safetensors by default), gathered from every process (FSDP/DeepSpeed shards included)."""
+    model_dir = output_dir / MODEL_DIR
+    task.save_model(accelerator, model, model_dir)
+    accelerator.wait_for_everyone()
     return model_dir
 
 
@@ -111,13 +137,13 @@ def checkpoint_step(path: Path) -> int:
 
 def complete_checkpoints(output_dir: Path) -> list[Path]:
     """Oldest first. Only folders with a trainer state count: the rename happens after everything is written."""
-    root = output_dir / "checkpoints"
+    root = output_dir / CHECKPOINTS_DIR
     found = [p for p in root.glob("step_*") if (p / STATE_FILE).is_file()] if root.is_dir() else []
     return sorted(found, key=checkpoint_step)
 
 
 def remove_incomplete_checkpoints(output_dir: Path) -> None:
-    for path in sorted((output_dir / "checkpoints").glob(f"{TMP_PREFIX}*")):
+    for path in sorted((output_dir / CHECKPOINTS_DIR).glob(f"{TMP_PREFIX}*")):
         logger.warning("removing %s: an incomplete checkpoint from an interrupted write", path)
         shutil.rmtree(path, ignore_errors=True)
 
@@ -128,7 +154,7 @@ def save_checkpoint(accelerator, config: TrainConfig, state: TrainerState) -> Pa
     A failed write (disk full, quota) on any process is agreed on by all, the partial folder is removed, and the
     run stops with an error: the previous checkpoints were never touched.
     """
-    root = Path(config.output_dir) / "checkpoints"
+    root = Path(config.output_dir) / CHECKPOINTS_DIR
     final = root / f"step_{state.step}"
     partial = root / f"{TMP_PREFIX}step_{state.step}"
     if accelerator.is_main_process:
@@ -140,14 +166,14 @@ def save_checkpoint(accelerator, config: TrainConfig, state: TrainerState) -> Pa
         accelerator.save_state(str(partial))
         if accelerator.is_main_process:
             (partial / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
-            save_config(config, partial / "config.yaml")
+            save_config(config, partial / CONFIG_FILE)
     except OSError as err:
         failure = err
     if not all_processes_agree(accelerator, failure is None):
         if accelerator.is_main_process:
             shutil.rmtree(partial, ignore_errors=True)
         reason = f"{type(failure).__name__}: {failure}" if failure else "failed on another process"
-        raise UsageError(
+        raise CheckpointWriteFailed(
             f"could not write checkpoint {final} ({reason}); the previous checkpoints are intact. "
             "Free disk space (or lower --save_total_limit) and resume with --resume_from_checkpoint latest"
         )
@@ -194,7 +220,7 @@ def load_checkpoint(accelerator, path: Path, global_batch: int) -> TrainerState:
 
 def truncate_metrics(output_dir: Path, step: int) -> None:
     """A resumed run re-logs the steps after its checkpoint: drop them so metrics.jsonl has each step once."""
-    path = output_dir / "metrics.jsonl"
+    path = output_dir / METRICS_FILE
     if path.exists():
         lines = path.read_text().splitlines(keepends=True)
         path.write_text("".join(line for line in lines if json.loads(line)["step"] <= step))

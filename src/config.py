@@ -1,12 +1,19 @@
-"""The run's configuration: one typed dataclass, read from YAML and overridden on the command line.
+"""The run's configuration: what every run has (TrainConfig) plus the chosen task's own options, one namespace.
 
-    python train.py --config configs/default.yaml --learning_rate 3e-4 --norm batch
+    python train.py --config configs/default.yaml --learning_rate 3e-4 --norm batch   # norm: a digits option
 
 Names follow Hugging Face `TrainingArguments` where one exists. Parsing, type checking and the YAML file are
-jsonargparse's job; this module only declares the fields and checks that their values make sense together.
+jsonargparse's job; this module declares the fields, checks that their values make sense together, and adds the
+task's `Options` dataclass (src/tasks/) to the same parser: its fields are flags and YAML keys like any other,
+shown by `python train.py --task X --help` and saved in the run's config.yaml.
 """
 
+import ast
 import dataclasses
+import difflib
+import inspect
+import re
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -21,7 +28,7 @@ TRACKERS = ("wandb", "tensorboard")
 @dataclass
 class TrainConfig:
     # --- run ---
-    output_dir: str = "runs/digits"  # config.yaml, metrics.jsonl, checkpoints/, model/ go here
+    output_dir: str | None = None  # config.yaml, metrics.jsonl, checkpoints/, model/ go here; None: runs/<task>
     overwrite_output_dir: bool = False  # allow a fresh run to replace a previous run's files in output_dir
     seed: int = 42  # the same on every process: identical initial weights and data order
     run_name: str | None = None  # wandb run name
@@ -32,28 +39,19 @@ class TrainConfig:
     debug: bool = False  # full tracebacks instead of one-line errors
 
     # --- what to train (src/tasks/) ---
-    task: str = "digits"  # digits, causal_lm, or a module path like my_package.my_task
-    task_args: dict = field(default_factory=dict)  # options the task checks itself (e.g. causal_lm's model size)
+    task: str = "digits"  # digits, tabular, causal_lm, or a module path like my_package.my_task; its options are flags
+    task_args: dict = field(default_factory=dict)  # in Python: the task's options (on the command line: --option value)
 
     # --- data (src/data.py) ---
     dataset_name: str | None = None  # a Hugging Face Hub dataset; None means the local data_files below
     dataset_config_name: str | None = None  # the Hub dataset's configuration, if it has several
-    data_files: dict[str, str] | None = field(  # split -> a .parquet, .csv, .json or .jsonl file
-        default_factory=lambda: {"train": "data/digits/train.parquet", "eval": "data/digits/eval.parquet"}
-    )
+    data_files: dict[str, str] | None = None  # split -> a .parquet, .csv, .json or .jsonl file; None: the task's
     train_split: str = "train"  # split names in the data
     eval_split: str = "eval"
-    input_column: str = "pixels"  # the model's input column (digits: 64 pixel values; causal_lm: text)
-    label_column: str = "label"  # integer class labels
     dataloader_num_workers: int = 0  # worker processes per data loader
     dataloader_drop_last: bool = True  # full batches only: the same samples per step on 1 or N processes
     max_train_samples: int | None = None  # train on the first N samples only (debugging, overfitting one batch)
     max_eval_samples: int | None = None  # evaluate on the first N samples only
-
-    # --- model (src/model.py) ---
-    model: Literal["cnn", "linear"] = "cnn"  # linear: logistic regression on the pixels, a baseline
-    norm: Literal["batch", "group", "none"] = "group"  # group: no cross-sample statistics, exact on N processes
-    num_labels: int = 10  # classes; labels must lie in 0..num_labels-1
 
     # --- optimisation ---
     num_train_epochs: float = 10  # passes over the train split (fractions allowed)
@@ -99,7 +97,6 @@ class TrainConfig:
                 "num_train_epochs",
                 "logging_steps",
                 "eval_steps",
-                "num_labels",
             )
             if getattr(self, name) <= 0
         ]
@@ -123,13 +120,13 @@ class TrainConfig:
             problems.append(f"--max_steps must be > 0, or -1 to train for num_train_epochs (got {self.max_steps})")
         if self.auto_find_batch_size and self.global_batch_size is None:
             problems.append("--auto_find_batch_size needs --global_batch_size, so the optimiser's batch stays the same")
-        if self.dataset_name is None and not self.data_files:
-            problems.append("no data: set --dataset_name (a Hub dataset) or --data_files (local files)")
         if problems:
             raise UsageError("; ".join(problems))
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Flat, as on the command line and in config.yaml: the task's options beside the run's fields."""
+        values = dataclasses.asdict(self)
+        return {**{k: v for k, v in values.items() if k != "task_args"}, **values["task_args"]}
 
 
 def normalize_report_to(value: str | list[str]) -> list[str]:
@@ -160,41 +157,144 @@ def resolve_global_batch(config: TrainConfig, num_processes: int) -> int:
 
 
 def parse_config(argv: list[str] | None) -> TrainConfig:
-    """Defaults <- `--config file.yaml` <- `--field value` flags, type-checked; bad input raises UsageError."""
+    """Defaults <- `--config file.yaml` <- `--field value` flags, type-checked; bad input raises UsageError.
+
+    The task is found first (`--task`, else the last --config file that names one, else digits) because its
+    options are part of the same command line.
+    """
+    import sys
+
+    from src.tasks import task_class
+
+    argv = sys.argv[1:] if argv is None else argv
+    name = find_task_name(argv)
+    cls = task_class(name)
+    parser = build_parser(name, cls)
+    try:
+        namespace = parser.parse_args(argv)
+    except Exception as err:  # jsonargparse reports every parse problem as some exception with a message
+        hint = suggestion(err, parser, cls, name)
+        raise UsageError(f"{one_line(err)}{hint}; see `python train.py --task {name} --help`") from err
+    values = namespace.as_dict()
+    values.pop("config", None)
+    option_names = {f.name for f in dataclasses.fields(cls.Options)}
+    task_args = {k: values.pop(k) for k in option_names}
+    return resolve(TrainConfig(**values, task_args=task_args))
+
+
+def build_parser(name: str, task_cls):
     from jsonargparse import ActionConfigFile, ArgumentParser
 
+    clash = {f.name for f in dataclasses.fields(TrainConfig)} & {f.name for f in dataclasses.fields(task_cls.Options)}
+    if clash:
+        raise UsageError(f"{task_cls.__name__}.Options fields {', '.join(sorted(clash))} clash with TrainConfig "
+                         "fields of the same name; rename them in the task")  # fmt: skip
     parser = ArgumentParser(
         description="Train a model with Hugging Face Accelerate.", exit_on_error=False, allow_abbrev=False
     )
     parser.add_argument("--config", action=ActionConfigFile, help="YAML file with any of the fields below")
-    parser.add_class_arguments(TrainConfig, as_group=False)
-    try:
-        namespace = parser.parse_args(argv)
-    except Exception as err:  # jsonargparse reports every parse problem as some exception with a message
-        raise UsageError(one_line(err) + "; see `python train.py --help`") from err
-    namespace.pop("config", None)
-    return TrainConfig(**namespace.as_dict())
+    parser.add_class_arguments(TrainConfig, as_group=False, skip={"task_args"})
+    source = Path(inspect.getsourcefile(task_cls) or "?").resolve()
+    source = source.relative_to(Path.cwd()) if source.is_relative_to(Path.cwd()) else source
+    parser.add_class_arguments(task_cls.Options, as_group=True)
+    helps = {**field_help(TrainConfig), **field_help(task_cls.Options)}
+    for action in parser._actions:  # jsonargparse takes help from docstrings; ours are the fields' comments
+        if action.dest in helps:
+            action.help = helps[action.dest]
+    for group in parser._action_groups:
+        if group.title and task_cls.Options.__name__ in group.title:
+            group.title = f"options of --task {name} ({source}: {task_cls.__qualname__}.Options)"
+            group.description = None
+    return parser
 
 
-def parse_task_args(args_class, config: TrainConfig):
-    """`--task_args` checked against a task's own dataclass by the same parser as the rest of the config."""
-    import difflib
+def find_task_name(argv: list[str]) -> str:
+    """`--task X` / `--task=X` on the command line, else the last `--config` file naming a task, else digits."""
+    name = TrainConfig.task
+    for i, arg in enumerate(argv):
+        value = argv[i + 1] if i + 1 < len(argv) else None
+        if arg.startswith("--config="):
+            arg, value = "--config", arg.split("=", 1)[1]
+        if arg == "--config" and value and Path(value).is_file():
+            try:
+                loaded = yaml.safe_load(Path(value).read_text())
+            except yaml.YAMLError:
+                continue  # the parser reports it
+            if isinstance(loaded, dict) and isinstance(loaded.get("task"), str):
+                name = loaded["task"]
+    for i, arg in enumerate(argv):
+        if arg == "--task" and i + 1 < len(argv):
+            name = argv[i + 1]
+        elif arg.startswith("--task="):
+            name = arg.split("=", 1)[1]
+    return name
 
+
+def suggestion(err: Exception, parser, task_cls, name: str) -> str:
+    """'; did you mean --x?' for an unknown key, or the task whose option it is."""
+    from src.tasks import BUILT_IN, task_class
+
+    known = {a.dest for a in parser._actions}
+    words = set(re.findall(r"--(\w+)|'(\w+)'", str(err))) or set()
+    unknown = [w for pair in words for w in pair if w and w not in known]
+    for word in unknown:
+        for other_name in BUILT_IN:
+            other = task_class(other_name)
+            if other is not task_cls and word in {f.name for f in dataclasses.fields(other.Options)}:
+                return f"; --{word} is an option of --task {other_name}, not of --task {name}"
+        close = difflib.get_close_matches(word, known, n=1)
+        if close:
+            return f"; did you mean --{close[0]}?"
+    return ""
+
+
+def parse_task_options(task_cls, values: dict):
+    """A task's options from a dict (Python callers, or the parsed command line), checked by the same parser."""
     from jsonargparse import ArgumentParser
 
     parser = ArgumentParser(exit_on_error=False)
-    parser.add_class_arguments(args_class, as_group=False)
-    keys = [f.name for f in dataclasses.fields(args_class)]
+    parser.add_class_arguments(task_cls.Options, as_group=False)
+    keys = [f.name for f in dataclasses.fields(task_cls.Options)]
     try:
-        values = parser.parse_object(config.task_args or {}).as_dict()
+        parsed = parser.parse_object(values or {}).as_dict()
     except Exception as err:
-        unknown = [k for k in (config.task_args or {}) if k not in keys]
+        unknown = [k for k in (values or {}) if k not in keys]
         close = difflib.get_close_matches(str(unknown[0]), keys, n=1) if unknown else []
         hint = f"; did you mean {close[0]}?" if close else ""
         raise UsageError(
-            f"--task_args for --task {config.task}: {one_line(err)}{hint} (the keys are {', '.join(keys)})"
+            f"options of --task {task_cls.__name__}: {one_line(err)}{hint} (they are {', '.join(keys) or 'none'})"
         ) from err
-    return args_class(**values)
+    return task_cls.Options(**parsed)
+
+
+def resolve(config: TrainConfig) -> TrainConfig:
+    """Fill in what follows from the task: its options' defaults, its default data files, output_dir runs/<task>."""
+    from src.tasks import task_class, task_name
+
+    cls = task_class(config.task)
+    options = dataclasses.asdict(parse_task_options(cls, config.task_args))
+    data_files = config.data_files
+    if not config.dataset_name and not data_files:
+        data_files = cls.default_data_files
+        if not data_files:
+            raise UsageError(f"no data for --task {config.task}: set --data_files (local files) or --dataset_name")
+    output_dir = config.output_dir or f"runs/{task_name(config.task)}"
+    return dataclasses.replace(config, task_args=options, data_files=data_files, output_dir=output_dir)
+
+
+def field_help(cls) -> dict[str, str]:
+    """name -> the comment at the end of the field's line in the dataclass's source (the --help text)."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    lines = source.splitlines()
+    class_node = ast.parse(source).body[0]
+    return {
+        node.target.id: lines[node.lineno - 1].split("  # ", 1)[1]
+        for node in class_node.body
+        if isinstance(node, ast.AnnAssign) and "  # " in lines[node.lineno - 1]
+    }
 
 
 def one_line(err: Exception) -> str:
@@ -202,4 +302,5 @@ def one_line(err: Exception) -> str:
 
 
 def save_config(config: TrainConfig, path: Path) -> None:
+    """Flat like the command line: `--config path` runs the same again."""
     path.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))

@@ -1,16 +1,17 @@
 """Data: `datasets.load_dataset` on local Parquet/CSV/JSON files or a Hub name, then PyTorch DataLoaders.
 
-`load_splits` reads whatever the config names; each task (src/tasks/) turns the splits into torch Datasets.
+`load_splits` reads whatever the config names; each task (src/tasks/) turns the splits into torch Datasets and may
+bring its own `collate_fn`.
 Accelerate shards the loaders across processes later, in `accelerator.prepare`; nothing here knows about ranks.
 """
 
 import os
 from pathlib import Path
 
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
 from src.config import TrainConfig
-from src.errors import UsageError
+from src.errors import TaskFailed, UsageError, describe
 
 FILE_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".jsonl": "json"}
 
@@ -93,7 +94,7 @@ def is_cached(dataset_name: str) -> bool:
     return (Path(HF_HUB_CACHE) / f"datasets--{dataset_name.replace('/', '--')}").exists()
 
 
-def build_dataloaders(train_set: Dataset, eval_set: Dataset, config: TrainConfig) -> tuple[DataLoader, DataLoader]:
+def build_dataloaders(train_set: Dataset, eval_set: Dataset, config: TrainConfig, collate_fn=None):
     if config.max_train_samples:
         train_set = Subset(train_set, range(min(config.max_train_samples, len(train_set))))
     if config.max_eval_samples:
@@ -104,11 +105,29 @@ def build_dataloaders(train_set: Dataset, eval_set: Dataset, config: TrainConfig
         shuffle=True,  # Accelerate replaces the sampler with a seedable one: same order on 1 or N processes
         drop_last=config.dataloader_drop_last,
         num_workers=config.dataloader_num_workers,
+        collate_fn=collate_fn,
     )
     eval_loader = DataLoader(
-        eval_set, batch_size=config.per_device_eval_batch_size, num_workers=config.dataloader_num_workers
+        eval_set,
+        batch_size=config.per_device_eval_batch_size,
+        num_workers=config.dataloader_num_workers,
+        collate_fn=collate_fn,
     )
     return train_loader, eval_loader
+
+
+def check_first_batch(loader: DataLoader, task) -> None:
+    """Collate one batch before training: a sample format the collate_fn can't batch is one line, not a traceback."""
+    dataset = loader.dataset
+    samples = [dataset[i] for i in range(min(loader.batch_size or 1, len(dataset)))]
+    try:
+        (loader.collate_fn or default_collate)(samples)
+    except Exception as err:
+        raise TaskFailed(
+            f"{type(task).__name__}: batching samples failed ({type(err).__name__}: {' '.join(str(err).split())}); "
+            f"a sample is {describe(samples[0])}; samples of different sizes need a collate_fn that pads "
+            "(override the task's collate_fn(), e.g. DataCollatorWithPadding)"
+        ) from err
 
 
 def check_split_sizes(train_loader: DataLoader, eval_loader: DataLoader, global_batch: int, num_processes: int) -> None:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from src.config import TrainConfig, resolve_global_batch
-from src.errors import UsageError
+from src.errors import LaunchError, UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -27,11 +27,29 @@ def has_accelerator() -> bool:
     return torch.accelerator.is_available() if hasattr(torch, "accelerator") else torch.cuda.is_available()
 
 
+def check_launch(use_cpu: bool) -> None:
+    """What an accelerate config asks for that this machine can't give: one line instead of a traceback per rank."""
+    import importlib.util
+
+    asked = [name for name in ("FSDP", "DEEPSPEED") if os.environ.get(f"ACCELERATE_USE_{name}", "").lower() == "true"]
+    for name in asked:
+        label = {"FSDP": "FSDP", "DEEPSPEED": "DeepSpeed"}[name]
+        if use_cpu:
+            raise LaunchError(
+                f"the accelerate config asks for {label}, which needs GPUs, and this machine has none; "
+                "use accelerate_configs/ddp.yaml (gloo DDP on the CPU) or accelerate_configs/cpu.yaml"
+            )
+        if name == "DEEPSPEED" and importlib.util.find_spec("deepspeed") is None:
+            raise LaunchError("the accelerate config asks for DeepSpeed, which is not installed; "
+                              "`pip install deepspeed`, or use accelerate_configs/fsdp.yaml")  # fmt: skip
+
+
 def build_accelerator(config: TrainConfig, log_with: list):
     from accelerate import Accelerator, DataLoaderConfiguration, PartialState
     from accelerate.utils import GradientAccumulationPlugin
 
     use_cpu = not has_accelerator()
+    check_launch(use_cpu)
     state = PartialState(cpu=use_cpu)  # forms the process group; its size fixes the gradient accumulation
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched != state.num_processes:
@@ -87,8 +105,9 @@ def sync_batchnorm(model: nn.Module, accelerator) -> nn.Module:
     return model
 
 
-class StepCalls:
-    """backward, clipping and the optimiser step: plain torch calls where Accelerate's wrappers would be no-ops.
+class DirectOptimizer:
+    """The prepared optimizer as the loop uses it: accumulate, backward, clip, step, zero_grad. Plain torch calls
+    where Accelerate's wrappers would be no-ops; Accelerate's own calls where they do real work.
 
     Measured with accelerate 1.15 on CPU (tiny model, scripts/benchmark.py): its per-step wrappers add ~190 us,
     as much as the model itself costs: `optimizer.step()` probes the file system for an optional package twice
@@ -98,7 +117,7 @@ class StepCalls:
 
     PLAIN = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU")
 
-    def __init__(self, accelerator, model: nn.Module, optimizer):
+    def __init__(self, accelerator, model: nn.Module, prepared_optimizer):
         self.accelerator = accelerator
         self.model = model
         self.plain = (
@@ -106,7 +125,8 @@ class StepCalls:
             and accelerator.scaler is None
             and not accelerator.has_lomo_optimizer
         )
-        self.torch_optimizer = optimizer.optimizer if self.plain else optimizer
+        # what step() calls; also what the LR scheduler drives (Accelerate's wrapper shares its param_groups)
+        self.optimizer = prepared_optimizer.optimizer if self.plain else prepared_optimizer
         self.accumulation = accelerator.gradient_accumulation_steps  # fixed for the run; read once, not per step
 
     def accumulate(self, model: nn.Module):
@@ -117,7 +137,7 @@ class StepCalls:
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Inside `accelerator.accumulate`: the loss is scaled for accumulation, as Accelerate does."""
+        """Inside `accumulate`: the loss is scaled for accumulation, as Accelerate does."""
         if not self.plain:
             return self.accelerator.backward(loss)
         (loss / self.accumulation if self.accumulation > 1 else loss).backward()
@@ -129,7 +149,10 @@ class StepCalls:
             return None if norm is None else torch.as_tensor(norm)  # DeepSpeed returns a float or None
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
-    def optimizer_step(self) -> None:
+    def step(self) -> None:
         """Call once per optimiser step (when `accelerator.sync_gradients`), not per micro-batch."""
-        self.torch_optimizer.step()
-        self.torch_optimizer.zero_grad(set_to_none=True)
+        self.optimizer.step()
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)

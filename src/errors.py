@@ -3,9 +3,14 @@
 | exit code | meaning |
 | --- | --- |
 | 0  | trained to the end |
-| 2  | bad input (config, flags, data, paths): the `error:` line names the problem and the fix |
+| 2  | bad input (config, flags, data, paths, a launch this machine can't run): the `error:` line names the fix |
+| 65 | the training diverged: the loss became NaN/inf (the checkpoints before it are intact) |
+| 70 | the task's code failed on a batch: the `error:` line names the hook and the batch's structure |
+| 74 | a checkpoint could not be written (disk full, quota): the previous checkpoints are intact |
 | 75 | preempted (SIGTERM/SIGUSR1): a checkpoint was saved; run the same command to resume (requeue) |
 | 130 | interrupted (Ctrl-C) |
+
+`--debug true` or TRAIN_DEBUG=1 shows the traceback instead.
 """
 
 import functools
@@ -13,22 +18,60 @@ import os
 import sys
 
 EXIT_USAGE = 2
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL from sysexits.h: "temporary failure, try again"
+EXIT_DIVERGED = 65  # EX_DATAERR from sysexits.h
+EXIT_TASK_FAILED = 70  # EX_SOFTWARE
+EXIT_WRITE_FAILED = 74  # EX_IOERR
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "temporary failure, try again"
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 
 
-class UsageError(Exception):
+class RunStopped(Exception):
+    """A run that ends early for a known reason: its message is the one line shown, `exit_code` the status."""
+
+    exit_code = 1
+    prefix = "error"
+    main_process_only = False  # True: the same on every process, so only the main one prints it
+
+
+class UsageError(RunStopped):
     """The user's input is wrong (config, flags, data, paths). The message names the problem and the fix."""
 
+    exit_code = EXIT_USAGE
 
-class TrainingPreempted(Exception):
+
+class LaunchError(UsageError):
+    """The launch asks for something this machine can't run; every process finds it, the main one says it."""
+
+    main_process_only = True
+
+
+class TrainingDiverged(RunStopped):
+    exit_code = EXIT_DIVERGED
+
+
+class TaskFailed(RunStopped):
+    exit_code = EXIT_TASK_FAILED
+
+
+class CheckpointWriteFailed(RunStopped):
+    exit_code = EXIT_WRITE_FAILED
+
+
+class TrainingPreempted(RunStopped):
     """Raised once the preemption checkpoint is on disk."""
+
+    exit_code = EXIT_PREEMPTED
+    prefix = "preempted"
 
 
 def debug_requested(argv: list[str] | None = None) -> bool:
     """`--debug true` on the command line or TRAIN_DEBUG=1 shows full tracebacks instead of one-line errors."""
     argv = sys.argv[1:] if argv is None else argv
     return "--debug" in argv or os.environ.get("TRAIN_DEBUG", "") not in ("", "0")
+
+
+def is_main_process() -> bool:
+    return os.environ.get("RANK", "0") == "0"
 
 
 def command_line(fn):
@@ -38,16 +81,28 @@ def command_line(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except UsageError as err:
-            if debug_requested():
+        except RunStopped as err:
+            if debug_requested() and not isinstance(err, TrainingPreempted):
                 raise
-            print(f"error: {err}", file=sys.stderr, flush=True)
-            sys.exit(EXIT_USAGE)
-        except TrainingPreempted as err:
-            print(f"preempted: {err}", file=sys.stderr, flush=True)
-            sys.exit(EXIT_PREEMPTED)
+            if is_main_process() or not err.main_process_only:
+                print(f"{err.prefix}: {err}", file=sys.stderr, flush=True)
+            sys.exit(err.exit_code)
         except KeyboardInterrupt:
             print("interrupted (Ctrl-C): stopped without saving", file=sys.stderr, flush=True)
             sys.exit(EXIT_INTERRUPTED)
 
     return wrapper
+
+
+def describe(value, depth: int = 0) -> str:
+    """A batch's structure in one line: `(tensor int64 [32, 128], tensor int64 [32])`, dict keys, list lengths."""
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"tensor {str(value.dtype).removeprefix('torch.')} {list(value.shape)}"
+    if depth > 2:
+        return type(value).__name__
+    if isinstance(value, dict) or hasattr(value, "keys"):
+        return "{" + ", ".join(f"{k}: {describe(value[k], depth + 1)}" for k in list(value.keys())[:8]) + "}"
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(describe(v, depth + 1) for v in value[:4]) + (", ..." if len(value) > 4 else "")
+        return f"({inner})" if isinstance(value, tuple) else f"[{len(value)} items: {inner}]"
+    return type(value).__name__

@@ -58,6 +58,13 @@ def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def assert_processes(output_dir: Path, processes: int) -> None:
+    """The run really trained on `processes` processes: every start logged (a resumed run logs one per start) says
+    so in metrics.jsonl. A launcher that fell back to one process, or N copies that never formed a group, fail it."""
+    starts = [row["setup/world_size"] for row in read_metrics(output_dir) if "setup/world_size" in row]
+    assert starts and set(starts) == {processes}, f"{output_dir}: world sizes {starts}, expected {processes}"
+
+
 def series(rows: list[dict], key: str) -> dict[int, float]:
     return {row["step"]: row[key] for row in rows if key in row}
 

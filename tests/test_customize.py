@@ -35,7 +35,7 @@ def test_tabular_csv_with_an_mlp_and_a_metric_from_the_guide(tmp_path):
     out = tmp_path / "run"
     result = run_train(
         "--task", "tabular", "--data_files", f"{{train: {files['train']}, eval: {files['eval']}}}",
-        "--label_column", "digit", "--task_args", "{hidden_size: 64}", "--max_steps", "120",
+        "--label_column", "digit", "--hidden_size", "64", "--max_steps", "120",
         "--metrics", f"[accuracy, {metric_dir}]", "--output_dir", str(out),
     )  # fmt: skip
     assert_ok(result)
@@ -48,9 +48,9 @@ def test_tabular_with_named_features_and_a_bad_task_arg(tmp_path):
     files = digits_as_csv(tmp_path)
     data = ["--data_files", f"{{train: {files['train']}, eval: {files['eval']}}}", "--label_column", "digit"]
     out = tmp_path / "run"
-    named = run_train("--task", "tabular", *data, "--task_args", "{features: [p20, p28, p36, p44]}",
+    named = run_train("--task", "tabular", *data, "--features", "[p20, p28, p36, p44]",
                       "--max_steps", "10", "--output_dir", str(out))  # fmt: skip
     assert_ok(named)
     assert read_metrics(out)[0]["setup/parameters"] == 4 * 64 + 64 + 64 * 64 + 64 + 64 * 10 + 10
-    bad = run_train("--task", "tabular", *data, "--task_args", "{hidden: 8}", "--output_dir", str(tmp_path / "bad"))
-    assert bad.returncode == 2 and "(the keys are features, hidden_size, num_layers)" in bad.stderr.splitlines()[-1]
+    bad = run_train("--task", "tabular", *data, "--hidden", "8", "--output_dir", str(tmp_path / "bad"))
+    assert bad.returncode == 2 and "did you mean --hidden_size?" in bad.stderr.splitlines()[-1]

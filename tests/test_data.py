@@ -5,23 +5,24 @@ import time
 import pandas as pd
 import pytest
 
-from src.config import TrainConfig
+from src.config import TrainConfig, resolve
 from src.data import build_dataloaders as make_loaders
 from src.errors import UsageError
-from src.tasks import digits
+from src.tasks import build_task
 from tests.conftest import REPO
 
 
 def build_dataloaders(config: TrainConfig):
-    return make_loaders(*digits.build_datasets(config), config)
+    task = build_task(resolve(config))
+    return make_loaders(*task.build_datasets(), config, task.collate_fn())
 
 
 def digits_frame(split: str) -> pd.DataFrame:
     return pd.read_parquet(REPO / f"data/digits/{split}.parquet")
 
 
-def config_for(files: dict, **overrides) -> TrainConfig:
-    return TrainConfig(data_files={k: str(v) for k, v in files.items()}, **overrides)
+def config_for(files: dict, task_args: dict | None = None, **overrides) -> TrainConfig:
+    return TrainConfig(data_files={k: str(v) for k, v in files.items()}, task_args=task_args or {}, **overrides)
 
 
 def test_shipped_split_sizes():
@@ -49,7 +50,7 @@ def test_csv_with_other_column_names(tmp_path):
         frame = pd.DataFrame({"x": [[0] * 64] * 4, "digit": [1, 2, 3, 4]})
         files[split] = tmp_path / f"{split}.json"
         frame.to_json(files[split], orient="records", lines=True)
-    _, eval_loader = build_dataloaders(config_for(files, input_column="x", label_column="digit"))
+    _, eval_loader = build_dataloaders(config_for(files, {"input_column": "x", "label_column": "digit"}))
     assert next(iter(eval_loader))[1].tolist() == [1, 2, 3, 4]
 
 

@@ -8,9 +8,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from src.config import TrainConfig
+from src.config import TrainConfig, resolve
 from src.errors import UsageError
-from src.tasks import causal_lm
+from src.tasks import build_task, causal_lm
 from tests.conftest import REPO, assert_ok, read_metrics, run_python, run_train, series
 
 LM = ["--config", "configs/lm.yaml"]
@@ -37,22 +37,13 @@ def test_lm_yaml_loss_falls_by_30_percent(out):
     assert list(losses)[0] == 10 and list(losses)[-1] == 200
     first, last = losses[10], losses[200]
     assert last <= 0.7 * first, losses
-    assert rows[0]["setup/parameters"] == causal_lm.count_parameters(causal_lm.LMArgs(), non_embedding=False)
+    assert rows[0]["setup/parameters"] == lm_task().count_parameters(non_embedding=False)
     assert list(series(rows, "eval/perplexity")) == [100, 200]
     assert series(rows, "eval/loss")[200] < 0.6 * math.log(256)  # well below a uniform guess over the bytes
 
 
 # 30 steps of configs/lm.yaml, evaluated on 127 blocks at the end; lm.yaml's model (the LMArgs defaults)
-SAME_RUN = [
-    "--max_steps",
-    "30",
-    "--logging_steps",
-    "1",
-    "--eval_steps",
-    "1000",
-    "--task_args",
-    "{max_eval_tokens: 16384}",
-]
+SAME_RUN = ["--max_steps", "30", "--logging_steps", "1", "--eval_steps", "1000", "--max_eval_tokens", "16384"]
 
 
 @pytest.fixture(scope="module")
@@ -85,23 +76,24 @@ def test_perplexity_is_exp_of_eval_loss(one_and_two_processes):
 
 
 def test_unknown_task_arg_is_one_error_line(out):
-    result = run_train(*LM, "--output_dir", str(out), "--task_args", "{n_layers: 2}")
+    result = run_train(*LM, "--output_dir", str(out), "--n_layers", "2")
     assert result.returncode == 2, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("error:") and "n_layers" in last and "n_layer?" in last, last
+    assert last.startswith("error:") and "n_layers" in last and "did you mean --n_layer?" in last, last
     assert not out.exists()
 
 
 # --- the pieces, in this process ---
 
 
-def lm_config(**overrides) -> TrainConfig:
-    data_files = {"train": str(STDLIB / "train.parquet"), "eval": str(STDLIB / "eval.parquet")}
-    return TrainConfig(**{"task": "causal_lm", "data_files": data_files, "input_column": "text", **overrides})
+def lm_task(data_files: dict | None = None, **options) -> causal_lm.CausalLM:
+    """The task as train.py builds it: its options parsed and checked from a dict, defaults filled in."""
+    files = data_files or {"train": str(STDLIB / "train.parquet"), "eval": str(STDLIB / "eval.parquet")}
+    return build_task(resolve(TrainConfig(task="causal_lm", data_files=files, task_args=options)))
 
 
 @pytest.mark.parametrize(
-    "task_args, message",
+    "options, message",
     [
         ({"n_layers": 2}, "'n_layers' is not accepted; did you mean n_layer"),
         ({"n_layer": "two"}, "n_layer.*Expected a <class 'int'>"),  # parsed like every config field ("2" is 2)
@@ -111,18 +103,19 @@ def lm_config(**overrides) -> TrainConfig:
         ({"max_train_tokens": 100}, "max_train_tokens must be > block_size"),
     ],
 )
-def test_bad_task_args_raise_usage_errors(task_args, message):
+def test_bad_options_raise_usage_errors(options, message):
     with pytest.raises(UsageError, match=message) as info:
-        causal_lm.build_model(lm_config(task_args=task_args))
+        lm_task(**options)
     assert "\n" not in str(info.value)
 
 
 def test_missing_text_names_the_prepare_script():
     missing = {"train": "data/stdlib/absent.parquet", "eval": "data/stdlib/absent.parquet"}
     with pytest.raises(UsageError, match=r"python scripts/prepare_text\.py"):
-        causal_lm.build_datasets(lm_config(data_files=missing))
-    with pytest.raises(UsageError, match="configs/lm.yaml"):  # the digits example's files, not text
-        causal_lm.build_datasets(TrainConfig(task="causal_lm"))
+        lm_task(missing).build_datasets()
+    digits_files = {"train": "data/digits/train.parquet", "eval": "data/digits/eval.parquet"}
+    with pytest.raises(UsageError, match="no column text .*--text_column"):  # not text: names the option
+        lm_task(digits_files).build_datasets()
 
 
 def test_texts_become_shifted_byte_blocks(tmp_path):
@@ -130,8 +123,7 @@ def test_texts_become_shifted_byte_blocks(tmp_path):
     for split in ("train", "eval"):
         pq.write_table(pa.table({"path": ["a", "b", "c"], "text": texts}), tmp_path / f"{split}.parquet")
     data_files = {split: str(tmp_path / f"{split}.parquet") for split in ("train", "eval")}
-    config = lm_config(data_files=data_files, task_args={"block_size": 4, "max_train_tokens": 12})
-    train, evaluation = causal_lm.build_datasets(config)
+    train, evaluation = lm_task(data_files, block_size=4, max_train_tokens=12).build_datasets()
     stream = "\0".join(texts).encode()
     assert len(evaluation) == len(stream) // 5 == 4 and len(train) == 12 // 5 == 2  # remainders dropped
     for index, (inputs, targets) in enumerate(evaluation):
@@ -141,21 +133,21 @@ def test_texts_become_shifted_byte_blocks(tmp_path):
 
 
 def test_model_shape_parameters_and_flops():
-    args = causal_lm.LMArgs()
-    model = causal_lm.build_model(lm_config())
+    task = lm_task()
+    model = task.build_model()
     assert model.lm_head.weight is model.tok_emb.weight  # tied: counted once
-    assert sum(p.numel() for p in model.parameters()) == causal_lm.count_parameters(args, non_embedding=False)
-    non_embedding = causal_lm.count_parameters(args)
-    assert non_embedding == causal_lm.count_parameters(args, non_embedding=False) - 128 * 128
-    assert causal_lm.flops_per_token(model, lm_config()) == 6 * non_embedding + 12 * 4 * 4 * 32 * 128
-    assert causal_lm.tokens_per_sample(lm_config()) == 128
+    assert sum(p.numel() for p in model.parameters()) == task.count_parameters(non_embedding=False)
+    non_embedding = task.count_parameters()
+    assert non_embedding == task.count_parameters(non_embedding=False) - 128 * 128
+    assert task.flops_per_token() == 6 * non_embedding + 12 * 4 * 4 * 32 * 128
+    assert task.tokens_per_sample() == 128
     logits = model(torch.randint(0, 256, (2, 128)))
     assert logits.shape == (2, 128, 256)
 
 
 def test_attention_is_causal():
     torch.manual_seed(0)
-    model = causal_lm.build_model(lm_config(task_args={"block_size": 16, "n_layer": 2, "n_embd": 32})).eval()
+    model = lm_task(block_size=16, n_layer=2, n_embd=32).build_model().eval()
     tokens = torch.randint(0, 256, (1, 16))
     changed = tokens.clone()
     changed[0, 10:] = (changed[0, 10:] + 1) % 256
@@ -165,14 +157,15 @@ def test_attention_is_causal():
 
 
 def test_eval_outputs_sum_token_losses():
-    model = causal_lm.build_model(lm_config(task_args={"block_size": 8, "n_layer": 1}))
+    task = lm_task(block_size=8, n_layer=1)
+    model = task.build_model()
     inputs, targets = torch.randint(0, 256, (3, 8)), torch.randint(0, 256, (3, 8))
-    outputs = causal_lm.eval_outputs(model, (inputs, targets))
+    outputs = task.eval_outputs(model, (inputs, targets))
     assert torch.equal(outputs["weight"], torch.full((3,), 8.0))
-    mean = causal_lm.training_loss(model, (inputs, targets))
+    mean = task.loss(model, (inputs, targets))
     torch.testing.assert_close(outputs["loss"].sum() / outputs["weight"].sum(), mean)
-    assert set(outputs) == {"loss", "weight"} and causal_lm.METRICS == []
-    assert causal_lm.derived_metrics({"eval/loss": 2.0}) == {"eval/perplexity": math.exp(2.0)}
+    assert set(outputs) == {"loss", "weight"} and task.metrics == []
+    assert task.derived_metrics({"eval/loss": 2.0}) == {"eval/perplexity": math.exp(2.0)}
 
 
 def test_prepared_text_splits_by_file():

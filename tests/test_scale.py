@@ -37,13 +37,13 @@ def test_auto_find_batch_size_keeps_the_global_batch(tmp_path):
     """A simulated out-of-memory error above 16 samples per device: halve once, accumulate 4 batches instead."""
     out = tmp_path / "run"
     oom_above_16 = """
-import src.tasks.digits as digits
-training_loss = digits.training_loss
-def training_loss_or_oom(model, batch):
+from src.tasks.digits import Digits
+loss = Digits.loss
+def loss_or_oom(self, model, batch):
     if len(batch[0]) > 16:
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
-    return training_loss(model, batch)
-digits.training_loss = training_loss_or_oom
+    return loss(self, model, batch)
+Digits.loss = loss_or_oom
 """
     result = run_with_hook(tmp_path, [*QUICK, "--output_dir", str(out), "--auto_find_batch_size", "true"],
                            extra=oom_above_16)  # fmt: skip

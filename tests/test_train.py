@@ -70,14 +70,16 @@ def test_main_in_process_restores_signal_handlers_even_when_training_fails(tmp_p
     """A notebook calling main() keeps its own SIGTERM/SIGUSR1 handlers, after a run that raised as well."""
     import signal
 
-    from src.tasks import digits
+    from src.errors import TaskFailed
+    from src.tasks.digits import Digits
     from train import main
 
-    def broken_loss(model, batch):
+    def loss(self, model, batch):
         raise RuntimeError("the model broke")
 
     before = {name: signal.getsignal(name) for name in (signal.SIGTERM, signal.SIGUSR1)}
-    monkeypatch.setattr(digits, "training_loss", broken_loss)
-    with pytest.raises(RuntimeError, match="the model broke"):
+    monkeypatch.setattr(Digits, "loss", loss)
+    with pytest.raises(TaskFailed, match=r"Digits.loss\(\) failed on a batch \(tensor float32 \[32, 1, 8, 8\], "
+                       r"tensor int64 \[32\]\): RuntimeError: the model broke"):
         main(TrainConfig(output_dir=str(tmp_path / "run"), max_steps=4, eval_steps=1000))
     assert {name: signal.getsignal(name) for name in before} == before

@@ -1,31 +1,63 @@
-"""Tasks: what is trained (data -> tensors, model, loss, eval outputs), selected by `--task`.
+"""Tasks: what is trained, selected by `--task`. The contract is the `Task` class in src/tasks/base.py.
 
-A task is a module with these functions (see digits.py, the default, tabular.py and causal_lm.py):
-
-    build_datasets(config) -> (train Dataset, eval Dataset)
-    build_model(config) -> nn.Module
-    training_loss(model, batch) -> scalar loss, averaged over the batch
-    eval_outputs(model, batch) -> dict of per-sample tensors: "loss" (summed over the sample's terms),
-        "weight" (how many terms: 1 for a class label, the token count for text), and optionally
-        "predictions" and "references" for the `evaluate` metrics named in its METRICS list
-
-and optionally `derived_metrics(scores) -> dict` (e.g. perplexity from the loss) and
-`tokens_per_sample(config) -> int` / `flops_per_token(model, config) -> float` for throughput and MFU.
-A third task is one new module plus one config: `--task my_package.my_task` imports any module path.
+    --task digits | tabular | causal_lm           the built-in tasks (this folder)
+    --task my_package.my_task                     a module defining one Task subclass
+    --task my_package.my_task.MyTask              or the class itself
 """
 
 import importlib
+import inspect
 
 from src.errors import UsageError
+from src.tasks.base import Task
 
-BUILT_IN = {"digits": "src.tasks.digits", "causal_lm": "src.tasks.causal_lm", "tabular": "src.tasks.tabular"}
+BUILT_IN = {"digits": "src.tasks.digits.Digits", "tabular": "src.tasks.tabular.Tabular",
+            "causal_lm": "src.tasks.causal_lm.CausalLM"}  # fmt: skip
 
 
-def load_task(name: str):
-    module = BUILT_IN.get(name, name)
+def task_class(name: str) -> type[Task]:
+    """The Task subclass `--task` names: a built-in, a module with exactly one Task subclass, or module.Class."""
+    path = BUILT_IN.get(name, name)
+    module = import_module(path) or import_module(path.rpartition(".")[0])
+    if module is None:
+        raise UsageError(f"unknown --task {name!r}; use one of {', '.join(BUILT_IN)} or an importable module path")
+    if module.__name__ != path:  # module.Class
+        found = getattr(module, path.rpartition(".")[2], None)
+        if not (inspect.isclass(found) and issubclass(found, Task)):
+            raise UsageError(f"--task {name}: {module.__name__} has no Task subclass {path.rpartition('.')[2]!r}")
+        return found
+    defined = [c for _, c in inspect.getmembers(module, inspect.isclass)
+               if issubclass(c, Task) and c.__module__ == module.__name__]  # fmt: skip
+    if len(defined) != 1:
+        names = ", ".join(f"{path}.{c.__name__}" for c in defined) or "none"
+        raise UsageError(f"--task {name}: the module must define exactly one Task subclass (found {names}); "
+                         "name the class, e.g. --task my_package.my_task.MyTask")  # fmt: skip
+    return defined[0]
+
+
+def import_module(path: str):
+    """The module, or None if `path` itself does not exist (an error inside an existing module propagates)."""
+    if not path:
+        return None
     try:
-        return importlib.import_module(module)
+        return importlib.import_module(path)
     except ModuleNotFoundError as err:
-        if err.name and module.startswith(err.name):
-            raise UsageError(f"unknown --task {name!r}; use one of {', '.join(BUILT_IN)} or a module path") from err
+        if err.name and path.startswith(err.name):
+            return None
         raise
+
+
+def task_name(name: str) -> str:
+    """A short name for run folders: digits, my_task (from my_package.my_task or my_package.my_task.MyTask)."""
+    if name in BUILT_IN:
+        return name
+    parts = name.split(".")
+    return parts[-2] if len(parts) > 1 and parts[-1][:1].isupper() else parts[-1]
+
+
+def build_task(config) -> Task:
+    """The task, built once from the run's config and its own options (parsed and type-checked here)."""
+    from src.config import parse_task_options
+
+    cls = task_class(config.task)
+    return cls(config, parse_task_options(cls, config.task_args))

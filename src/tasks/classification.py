@@ -1,21 +1,46 @@
-"""Loss and eval outputs shared by the classification tasks (batches of `(inputs, labels)`, models giving logits)."""
+"""Classification: batches of `(inputs, labels)` and a model that maps inputs to logits (digits and tabular)."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def training_loss(model: nn.Module, batch) -> torch.Tensor:
-    inputs, labels = batch
-    return F.cross_entropy(model(inputs), labels)
+from src.errors import UsageError
+from src.tasks.base import Task
 
 
-def eval_outputs(model: nn.Module, batch) -> dict[str, torch.Tensor]:
-    inputs, labels = batch
-    logits = model(inputs)
-    return {
-        "loss": F.cross_entropy(logits, labels, reduction="none"),
-        "weight": torch.ones_like(labels, dtype=torch.float32),
-        "predictions": logits.argmax(dim=-1),
-        "references": labels,
-    }
+class ClassificationTask(Task):
+    """Cross-entropy on `(inputs, labels)` batches, accuracy as the metric. Subclasses build the data and model."""
+
+    metrics = ["accuracy"]
+
+    def loss(self, model: nn.Module, batch) -> torch.Tensor:
+        inputs, labels = batch
+        return F.cross_entropy(model(inputs), labels)
+
+    def eval_outputs(self, model: nn.Module, batch) -> dict[str, torch.Tensor]:
+        inputs, labels = batch
+        logits = model(inputs)
+        return {
+            "loss": F.cross_entropy(logits, labels, reduction="none"),
+            "weight": torch.ones_like(labels, dtype=torch.float32),
+            "predictions": logits.argmax(dim=-1),
+            "references": labels,
+        }
+
+
+def check_labels(labels: torch.Tensor, num_labels: int, split: str) -> None:
+    if len(labels) and (labels.min() < 0 or labels.max() >= num_labels):
+        raise UsageError(
+            f"labels must lie in 0..{num_labels - 1} but range {labels.min()}..{labels.max()} in the {split} split; "
+            "set --num_labels"
+        )
+
+
+def check_columns(split, wanted: list[str], flags: str) -> None:
+    """A UsageError naming the absent columns, the ones the data has and the flags that choose them."""
+    missing = set(wanted) - set(split.column_names)
+    if missing:
+        raise UsageError(
+            f"the data has no column {', '.join(sorted(missing))} (it has {', '.join(split.column_names)}); "
+            f"set {flags}"
+        )

@@ -1,43 +1,48 @@
 """The default example: classify the 8x8 handwritten digits shipped in data/digits (or any image-like table).
 
-Edit `to_tensors` for your own preprocessing and src/model.py for your own model.
+    python train.py                                  # the CNN, 99% eval accuracy in ~10 s on a CPU
+    python train.py --model linear --norm none       # this task's options are flags like any other
+
+The data is read once into tensors (no per-sample decoding in the loop); the model is src/models/digits_cnn.py.
 """
+
+from dataclasses import dataclass
+from typing import Literal
 
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from src.config import TrainConfig
 from src.data import load_splits
-from src.errors import UsageError
-from src.model import build_model as build_digits_model
-from src.tasks.classification import eval_outputs, training_loss  # noqa: F401 (this task's loss and eval)
-
-METRICS = ["accuracy"]
+from src.models.digits_cnn import DigitsCNN
+from src.tasks.classification import ClassificationTask, check_columns, check_labels
 
 
-def build_datasets(config: TrainConfig) -> tuple[TensorDataset, TensorDataset]:
-    """Small data sets live in memory as tensors: no per-sample decoding in the training loop."""
-    splits = load_splits(config)
-    return to_tensors(splits[config.train_split], config), to_tensors(splits[config.eval_split], config)
+class Digits(ClassificationTask):
+    @dataclass
+    class Options:
+        input_column: str = "pixels"  # 64 pixel values 0..16 per row
+        label_column: str = "label"  # integer class labels
+        num_labels: int = 10  # classes; labels must lie in 0..num_labels-1
+        model: Literal["cnn", "linear"] = "cnn"  # linear: logistic regression on the pixels, a baseline
+        norm: Literal["batch", "group", "none"] = "group"  # group: no cross-sample statistics, exact on N processes
 
+    default_data_files = {"train": "data/digits/train.parquet", "eval": "data/digits/eval.parquet"}
 
-def to_tensors(split, config: TrainConfig) -> TensorDataset:
-    """One split -> (inputs, labels). The digits: 64 pixel values 0..16 -> 1x8x8 floats in [0, 1]."""
-    missing = {config.input_column, config.label_column} - set(split.column_names)
-    if missing:
-        raise UsageError(
-            f"the data has no column {', '.join(sorted(missing))} (it has {', '.join(split.column_names)}); "
-            "set --input_column / --label_column"
-        )
-    columns = split.with_format("torch", columns=[config.input_column, config.label_column])[:]
-    inputs = columns[config.input_column].float().div(16.0).view(-1, 1, 8, 8)
-    labels = columns[config.label_column].long()
-    if labels.min() < 0 or labels.max() >= config.num_labels:
-        raise UsageError(
-            f"labels must lie in 0..{config.num_labels - 1} but range {labels.min()}..{labels.max()}; set --num_labels"
-        )
-    return TensorDataset(inputs, labels)
+    def build_datasets(self) -> tuple[TensorDataset, TensorDataset]:
+        splits = load_splits(self.config)
+        return self.to_tensors(splits, self.config.train_split), self.to_tensors(splits, self.config.eval_split)
 
+    def to_tensors(self, splits, name: str) -> TensorDataset:
+        """One split -> (inputs, labels): 64 pixel values 0..16 -> 1x8x8 floats in [0, 1]."""
+        split, options = splits[name], self.options
+        check_columns(split, [options.input_column, options.label_column], "--input_column / --label_column")
+        columns = split.with_format("torch", columns=[options.input_column, options.label_column])[:]
+        inputs = columns[options.input_column].float().div(16.0).view(-1, 1, 8, 8)
+        labels = columns[options.label_column].long()
+        check_labels(labels, options.num_labels, name)
+        return TensorDataset(inputs, labels)
 
-def build_model(config: TrainConfig) -> nn.Module:
-    return build_digits_model(config)
+    def build_model(self) -> nn.Module:
+        if self.options.model == "linear":  # a baseline, and the overhead-bound case of scripts/benchmark.py
+            return nn.Sequential(nn.Flatten(), nn.Linear(64, self.options.num_labels))
+        return DigitsCNN(num_labels=self.options.num_labels, norm=self.options.norm)

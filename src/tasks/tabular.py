@@ -1,10 +1,10 @@
 """Classify rows of a table (CSV, JSON or Parquet) with an MLP: numeric feature columns -> a class label.
 
-    python train.py --task tabular --data_files '{train: my/train.csv, eval: my/eval.csv}' --label_column label \
-        --num_labels 3 --task_args '{features: [age, income, score], hidden_size: 64}'
+    python train.py --task tabular --data_files '{train: my/train.csv, eval: my/eval.csv}' --label_column species \
+        --features '[sepal_length, sepal_width]' --hidden_size 64
 
 Without `features`, every column except the label is a feature. Features are standardised with the train split's
-mean and standard deviation (computed once, in memory).
+mean and standard deviation (computed once, in memory). The model is src/models/mlp.py.
 """
 
 from dataclasses import dataclass
@@ -13,57 +13,44 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from src.config import TrainConfig, parse_task_args
 from src.data import load_splits
 from src.errors import UsageError
-from src.tasks.classification import eval_outputs, training_loss  # noqa: F401 (this task's loss and eval)
-
-METRICS = ["accuracy"]
-
-
-@dataclass
-class TabularArgs:
-    features: list[str] | None = None
-    hidden_size: int = 64
-    num_layers: int = 2
+from src.models.mlp import mlp
+from src.tasks.classification import ClassificationTask, check_columns, check_labels
 
 
-def task_args(config: TrainConfig) -> TabularArgs:
-    return parse_task_args(TabularArgs, config)
+class Tabular(ClassificationTask):
+    @dataclass
+    class Options:
+        label_column: str = "label"  # integer class labels
+        features: list[str] | None = None  # feature columns; None: every column except the label
+        num_labels: int | None = None  # classes; None: the train split's largest label + 1
+        hidden_size: int = 64
+        num_layers: int = 2  # hidden layers
 
+        def __post_init__(self):
+            for name in ("hidden_size", "num_layers", "num_labels"):
+                if (getattr(self, name) or 1) <= 0:
+                    raise UsageError(f"--{name} must be > 0 (got {getattr(self, name)})")
 
-def feature_columns(config: TrainConfig, columns: list[str]) -> list[str]:
-    features = task_args(config).features or [c for c in columns if c != config.label_column]
-    missing = set([*features, config.label_column]) - set(columns)
-    if missing:
-        raise UsageError(
-            f"the data has no column {', '.join(sorted(missing))}; set --task_args features / --label_column"
-        )
-    return features
+    def build_datasets(self) -> tuple[TensorDataset, TensorDataset]:
+        splits = load_splits(self.config)
+        train, evals = splits[self.config.train_split], splits[self.config.eval_split]
+        label = self.options.label_column
+        self.features = self.options.features or [c for c in train.column_names if c != label]
+        for split in (train, evals):
+            check_columns(split, [*self.features, label], "--features / --label_column")
+        (train_x, train_y), (eval_x, eval_y) = (self.to_tensors(split) for split in (train, evals))
+        self.num_labels = self.options.num_labels or int(train_y.max()) + 1
+        check_labels(train_y, self.num_labels, self.config.train_split)
+        check_labels(eval_y, self.num_labels, self.config.eval_split)
+        mean, std = train_x.mean(dim=0), train_x.std(dim=0).clamp_min(1e-6)
+        return TensorDataset((train_x - mean) / std, train_y), TensorDataset((eval_x - mean) / std, eval_y)
 
+    def to_tensors(self, split) -> tuple[torch.Tensor, torch.Tensor]:
+        columns = split.with_format("torch", columns=[*self.features, self.options.label_column])[:]
+        features = torch.stack([columns[f].float() for f in self.features], dim=1)
+        return features, columns[self.options.label_column].long()
 
-def build_datasets(config: TrainConfig) -> tuple[TensorDataset, TensorDataset]:
-    splits = load_splits(config)
-    train, evals = splits[config.train_split], splits[config.eval_split]
-    features = feature_columns(config, train.column_names)
-    train_x, train_y = to_tensors(train, features, config.label_column)
-    eval_x, eval_y = to_tensors(evals, features, config.label_column)
-    mean, std = train_x.mean(dim=0), train_x.std(dim=0).clamp_min(1e-6)
-    for labels in (train_y, eval_y):
-        if labels.min() < 0 or labels.max() >= config.num_labels:
-            raise UsageError(f"labels must lie in 0..{config.num_labels - 1}; set --num_labels")
-    return TensorDataset((train_x - mean) / std, train_y), TensorDataset((eval_x - mean) / std, eval_y)
-
-
-def to_tensors(split, features: list[str], label: str) -> tuple[torch.Tensor, torch.Tensor]:
-    columns = split.with_format("torch", columns=[*features, label])[:]
-    return torch.stack([columns[f].float() for f in features], dim=1), columns[label].long()
-
-
-def build_model(config: TrainConfig) -> nn.Module:
-    args = task_args(config)
-    num_features = len(feature_columns(config, load_splits(config)[config.train_split].column_names))
-    layers: list[nn.Module] = [nn.Linear(num_features, args.hidden_size), nn.ReLU()]
-    for _ in range(args.num_layers - 1):
-        layers += [nn.Linear(args.hidden_size, args.hidden_size), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(args.hidden_size, config.num_labels))
+    def build_model(self) -> nn.Module:  # after build_datasets: sized by the features and labels found there
+        return mlp(len(self.features), self.num_labels, self.options.hidden_size, self.options.num_layers)

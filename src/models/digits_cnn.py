@@ -1,9 +1,7 @@
-"""The example model: a small CNN for 8x8 digit images. Replace it with yours (any `nn.Module` returning logits)."""
+"""A small CNN for 8x8 digit images (the digits task's model). Replace it with yours: any `nn.Module` returning logits."""
 
 import torch
 from torch import nn
-
-from src.config import TrainConfig
 
 
 def make_norm(kind: str, channels: int) -> nn.Module:
@@ -43,9 +41,3 @@ class DigitsCNN(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(images))
-
-
-def build_model(config: TrainConfig) -> nn.Module:
-    if config.model == "linear":  # a baseline, and the per-step-overhead-bound case of scripts/benchmark.py
-        return nn.Sequential(nn.Flatten(), nn.Linear(64, config.num_labels))
-    return DigitsCNN(num_labels=config.num_labels, norm=config.norm)

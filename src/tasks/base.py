@@ -1,0 +1,128 @@
+"""The task contract: what is trained. A task is one class in one file; `train.py` calls only these methods.
+
+    class MyTask(Task):
+        @dataclass
+        class Options:                      # typed options: --flags, YAML keys, saved in config.yaml
+            hidden_size: int = 64           # the comment is the --help text
+
+        metrics = ["accuracy"]              # evaluate modules (src/evaluate_metrics/<name> or a path)
+
+        def build_datasets(self): ...       # (train, eval) torch Datasets; the data config is self.config
+        def build_model(self): ...          # an nn.Module (a plain network: src/models/)
+        def loss(self, model, batch): ...   # a scalar: the batch's mean loss
+        def eval_outputs(self, model, batch): ...   # per-sample tensors, see below
+
+A task is built once per run, so it can keep state (a tokenizer, the number of features) on `self`.
+`ClassificationTask` (src/tasks/classification.py) fills in the loss and eval outputs for `(inputs, labels)`
+batches and logits; `Digits` and `Tabular` use it.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from traceback import walk_tb
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from torch.utils.data import Dataset
+
+    from src.config import TrainConfig
+
+
+@dataclass
+class NoOptions:
+    """A task without options of its own."""
+
+
+class Task:
+    """Subclass it and implement the four methods marked "must"; everything else has a default.
+
+    `self.config` is the run's TrainConfig (data files, splits, batch sizes, ...), `self.options` this task's
+    `Options`, parsed and type-checked before the task is built. Raise `src.errors.UsageError` for bad input:
+    the run ends with that one line and exit code 2.
+    """
+
+    Options: ClassVar[type] = NoOptions  # a dataclass; its fields become --flags (names must differ from TrainConfig's)
+    metrics: ClassVar[list[str]] = []  # evaluate metrics computed from eval_outputs' predictions and references
+    default_data_files: ClassVar[dict[str, str] | None] = None  # used when neither data_files nor dataset_name is set
+
+    def __init__(self, config: TrainConfig, options=None):
+        self.config = config
+        self.options = self.Options() if options is None else options
+
+    # --- must ---
+
+    def build_datasets(self) -> tuple[Dataset, Dataset]:
+        """(train, eval) map-style datasets. Tensors in memory are the fast path: no per-sample work per step."""
+        raise NotImplementedError(f"{type(self).__name__} must implement build_datasets()")
+
+    def build_model(self) -> nn.Module:
+        raise NotImplementedError(f"{type(self).__name__} must implement build_model()")
+
+    def loss(self, model: nn.Module, batch) -> torch.Tensor:
+        """The training loss of one micro-batch, a scalar averaged over the batch."""
+        raise NotImplementedError(f"{type(self).__name__} must implement loss()")
+
+    def eval_outputs(self, model: nn.Module, batch) -> dict[str, torch.Tensor]:
+        """Per-sample tensors (first dimension = the batch), gathered across processes without the padding of
+        uneven shards: "loss" (summed over the sample's terms) and "weight" (how many terms: 1 for a class label,
+        the token count for text), so eval/loss = sum(loss) / sum(weight); plus "predictions" and "references"
+        when the task has `metrics`."""
+        raise NotImplementedError(f"{type(self).__name__} must implement eval_outputs()")
+
+    # --- may ---
+
+    def collate_fn(self):
+        """How samples become a batch (None: torch's default_collate), e.g. DataCollatorWithPadding(tokenizer)."""
+        return None
+
+    def derived_metrics(self, scores: dict[str, float]) -> dict[str, float]:
+        """Metrics computed from the gathered ones, e.g. perplexity = exp(eval/loss)."""
+        return {}
+
+    def tokens_per_sample(self) -> int | None:
+        """Tokens in one training sample: logs train/tokens_per_s."""
+        return None
+
+    def flops_per_token(self) -> float | None:
+        """Training FLOPs per token (forward + backward): logs train/mfu on GPUs with a known peak."""
+        return None
+
+    def save_model(self, accelerator, model: nn.Module, directory: Path) -> None:
+        """The final model, called on every process (FSDP and DeepSpeed gather shards from all of them).
+        Default: `model.safetensors`; a Hugging Face task would call `save_pretrained` here."""
+        accelerator.save_model(model, directory, safe_serialization=True)
+
+
+@contextmanager
+def task_errors(task: Task):
+    """An exception raised inside one of the task's methods during training becomes one line naming the method
+    and the batch's structure (exit code 70); out-of-memory errors pass through (--auto_find_batch_size)."""
+    try:
+        yield
+    except Exception as err:
+        from accelerate.utils.memory import should_reduce_batch_size
+
+        from src.errors import RunStopped, TaskFailed, describe
+
+        if isinstance(err, RunStopped) or should_reduce_batch_size(err):
+            raise
+        frame = next((f for f, _ in walk_tb(err.__traceback__) if is_task_method(task, f)), None)
+        if frame is None:
+            raise
+        batch = frame.f_locals.get("batch")
+        on = f" on a batch {describe(batch)}" if batch is not None else ""
+        message = " ".join(str(err).split())[:400]
+        raise TaskFailed(
+            f"{type(task).__name__}.{frame.f_code.co_name}() failed{on}: {type(err).__name__}: {message} "
+            "(--debug true shows the traceback)"
+        ) from err
+
+
+def is_task_method(task: Task, frame) -> bool:
+    method = getattr(type(task), frame.f_code.co_name, None)
+    return getattr(method, "__code__", None) is frame.f_code
