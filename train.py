@@ -196,7 +196,8 @@ def train_batches(accelerator, train_loader, start_step: int, steps_per_epoch: i
     epoch, steps_done = divmod(start_step, steps_per_epoch)
     while True:
         train_loader.set_epoch(epoch)
-        batches = accelerator.skip_first_batches(train_loader, steps_done * accumulation) if steps_done else train_loader
+        seen = steps_done * accumulation
+        batches = accelerator.skip_first_batches(train_loader, seen) if seen else train_loader
         yield from islice(batches, (steps_per_epoch - steps_done) * accumulation)
         epoch, steps_done = epoch + 1, 0
 

@@ -11,7 +11,8 @@ LR schedule and clipping, and run with the same allocator settings. Both are tim
 every optimiser step (the LR scheduler's step); steady-state samples/s is taken over the steps after the first
 quarter. Reported: `ratio`, the median over rounds of b/a within each round (the pair is seconds apart, so drift of
 the machine cancels), the round ratios, samples/s per side (median, min, max over rounds), time from process start
-to the first optimiser step, and peak memory (CUDA allocated, or the process's resident set on CPU).
+to the first optimiser step, and peak memory (CUDA allocated, or the process's resident set on CPU); each side's
+`runs` hold every round's numbers, with `steps`, the optimiser steps the run recorded (both sides: --steps).
 """
 
 import time
@@ -231,6 +232,7 @@ def main(argv=None) -> dict:
             "samples_per_s": spread([r["samples_per_s"] for r in results]),
             "seconds_to_first_step": spread([r["seconds_to_first_step"] for r in results]),
             "peak_memory_gb": max(r["peak_memory_gb"] for r in results),
+            "runs": results,  # one per round, in order: samples_per_s, optimiser steps timed, first step, memory
         }
         for side, results in runs.items()
     }

@@ -1,10 +1,9 @@
-"""Write the README's config reference from src/config.py, so the two can't drift (a test runs --check).
+"""Write the README's config reference from src/config.py and the built-in tasks' options (a test runs --check).
 
 python scripts/config_reference.py          # rewrite the table in README.md
 python scripts/config_reference.py --check  # exit 1 if README.md is out of date
 """
 
-import ast
 import dataclasses
 import re
 import sys
@@ -15,42 +14,47 @@ sys.path.insert(0, str(REPO))
 START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
 
 
-def field_comments() -> dict[str, tuple[str, str]]:
-    """name -> (section, the comment at the end of its line) from the dataclass source."""
-    source = (REPO / "src" / "config.py").read_text()
-    lines = source.splitlines()
-    comments, section = {}, ""
-    for line_number, line in enumerate(lines, start=1):
+def field_sections() -> dict[str, str]:
+    """TrainConfig field -> the `# --- section ---` comment above it in src/config.py."""
+    lines = (REPO / "src" / "config.py").read_text().splitlines()
+    sections, section = {}, ""
+    for line in lines:
         if match := re.match(r"\s+# --- (.*) ---", line):
             section = match.group(1)
-        comments[line_number] = section
-    tree = ast.parse(source)
-    config_class = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TrainConfig")
-    result = {}
-    for node in config_class.body:
-        if isinstance(node, ast.AnnAssign):
-            line = lines[node.lineno - 1]
-            comment = line.split("  # ", 1)[1] if "  # " in line else ""
-            result[node.target.id] = (comments[node.lineno], comment)
+        elif match := re.match(r"    (\w+): ", line):
+            sections.setdefault(match.group(1), section)
+    return sections
+
+
+def rows(cls, sections: dict[str, str] | None = None) -> list[str]:
+    from src.config import field_help
+
+    comments, result, section = field_help(cls), [], None
+    for field in dataclasses.fields(cls):
+        if field.name == "task_args":
+            continue
+        if sections and sections.get(field.name) != section:
+            section = sections.get(field.name)
+            result.append(f"| **{section}** | | | |")
+        default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+        kind = getattr(field.type, "__name__", str(field.type)) if isinstance(field.type, type) else str(field.type)
+        kind = kind.replace("typing.", "").replace("|", "or")
+        comment = comments.get(field.name, "").replace("|", "or")
+        result.append(f"| `{field.name}` | {kind} | `{default!r}` | {comment} |")
     return result
 
 
 def table() -> str:
     from src.config import TrainConfig
+    from src.tasks import BUILT_IN, task_class
 
-    comments = field_comments()
-    rows = ["| field | type | default | meaning |", "| --- | --- | --- | --- |"]
-    section = None
-    for field in dataclasses.fields(TrainConfig):
-        field_section, comment = comments[field.name]
-        if field_section != section:
-            section = field_section
-            rows.append(f"| **{section}** | | | |")
-        default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
-        kind = getattr(field.type, "__name__", str(field.type)) if isinstance(field.type, type) else str(field.type)
-        kind = kind.replace("typing.", "").replace("|", "or")
-        rows.append(f"| `{field.name}` | {kind} | `{default!r}` | {comment.replace('|', 'or')} |")
-    return "\n".join(rows)
+    header = ["| field | type | default | meaning |", "| --- | --- | --- | --- |"]
+    parts = ["Every run (`src/config.py: TrainConfig`):", "", *header, *rows(TrainConfig, field_sections())]
+    for name in BUILT_IN:
+        cls = task_class(name)
+        source = cls.__module__.replace(".", "/") + ".py"
+        parts += ["", f"`--task {name}` (`{source}: {cls.__qualname__}.Options`):", "", *header, *rows(cls.Options)]
+    return "\n".join(parts)
 
 
 def main() -> int:

@@ -94,6 +94,15 @@ def is_cached(dataset_name: str) -> bool:
     return (Path(HF_HUB_CACHE) / f"datasets--{dataset_name.replace('/', '--')}").exists()
 
 
+def check_columns(split, wanted: list[str], flags: str) -> None:
+    """A UsageError naming the absent columns, the ones the data has and the flags that choose them."""
+    missing = set(wanted) - set(split.column_names)
+    if missing:
+        raise UsageError(
+            f"the data has no column {', '.join(sorted(missing))} (it has {', '.join(split.column_names)}); set {flags}"
+        )
+
+
 def build_dataloaders(train_set: Dataset, eval_set: Dataset, config: TrainConfig, collate_fn=None):
     if config.max_train_samples:
         train_set = Subset(train_set, range(min(config.max_train_samples, len(train_set))))

@@ -103,6 +103,7 @@ def describe(value, depth: int = 0) -> str:
     if isinstance(value, dict) or hasattr(value, "keys"):
         return "{" + ", ".join(f"{k}: {describe(value[k], depth + 1)}" for k in list(value.keys())[:8]) + "}"
     if isinstance(value, (list, tuple)):
-        inner = ", ".join(describe(v, depth + 1) for v in value[:4]) + (", ..." if len(value) > 4 else "")
-        return f"({inner})" if isinstance(value, tuple) else f"[{len(value)} items: {inner}]"
+        inner = ", ".join(describe(v, depth + 1) for v in value[:4])
+        inner = f"{len(value)} items: {inner}, ..." if len(value) > 4 else inner
+        return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"
     return type(value).__name__

@@ -5,7 +5,15 @@ import json
 import pytest
 
 from src.errors import EXIT_PREEMPTED
-from tests.conftest import assert_ok, launch_command, read_metrics, run_command, run_with_hook, series
+from tests.conftest import (
+    assert_ok,
+    assert_processes,
+    launch_command,
+    read_metrics,
+    run_command,
+    run_with_hook,
+    series,
+)
 
 RUN = ["--max_steps", "60", "--logging_steps", "1", "--save_steps", "10", "--eval_steps", "25"]
 
@@ -23,10 +31,12 @@ def uninterrupted(tmp_path_factory):
     for processes in (1, 2):
         output_dir = tmp_path_factory.mktemp(f"full{processes}") / "run"
         assert_ok(run_with_hook(output_dir.parent, [*RUN, "--output_dir", str(output_dir)], processes=processes))
+        assert_processes(output_dir, processes)
         runs[processes] = train_losses(output_dir)
     return runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("processes", [1, 2])
 def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(tmp_path, uninterrupted, processes):
     """22 steps per epoch: the kill at step 27 resumes from step_20, in the middle of epoch 0."""
@@ -38,6 +48,7 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(tmp_path, uninterru
 
     resumed = run_with_hook(tmp_path, args, processes=processes)  # the very same command
     assert_ok(resumed)
+    assert_processes(out, processes)  # both starts
     assert "resuming from" in resumed.stdout + resumed.stderr
     losses, accuracy = train_losses(out)
     expected_losses, expected_accuracy = uninterrupted[processes]
@@ -50,6 +61,7 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(tmp_path, uninterru
     assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step_50", "step_60"]  # save_total_limit 2
 
 
+@pytest.mark.slow
 def test_sigterm_on_one_process_saves_on_all_and_exits_75(tmp_path, uninterrupted):
     out = tmp_path / "run"
     args = [*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "latest"]
@@ -64,21 +76,28 @@ def test_sigterm_on_one_process_saves_on_all_and_exits_75(tmp_path, uninterrupte
     assert not (out / "checkpoints" / "step_60").exists()
 
     assert_ok(run_with_hook(tmp_path, args, processes=2))
+    assert_processes(out, 2)  # both starts
     losses, _ = train_losses(out)
     expected, _ = uninterrupted[2]
     assert list(losses) == list(expected)
     assert max(abs(losses[s] - expected[s]) for s in losses) <= 1e-5
 
 
-def test_sigterm_single_process_exit_code(tmp_path):
+@pytest.mark.slow
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGUSR1"])
+def test_preemption_signal_on_one_process_saves_and_exits_75(tmp_path, signal_name):
+    """SLURM's --signal (USR1 or TERM before the time limit): a checkpoint at the next step, marked preempted."""
     out = tmp_path / "run"
-    hook = "if step == 5: os.kill(os.getpid(), signal.SIGTERM)"
+    hook = f"if step == 5: os.kill(os.getpid(), signal.{signal_name})"
     result = run_with_hook(tmp_path, [*RUN, "--output_dir", str(out)], hook)
     assert result.returncode == EXIT_PREEMPTED
     assert result.stderr.strip().splitlines()[-1].startswith("preempted: checkpoint")
-    assert (out / "checkpoints" / "step_5").is_dir()
+    state = json.loads((out / "checkpoints" / "step_5" / "trainer_state.json").read_text())
+    assert state["step"] == 5 and state["preempted"] is True
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_5"] and not (out / "model").exists()
 
 
+@pytest.mark.slow
 def test_kill_during_checkpoint_write_resumes_from_previous(tmp_path, uninterrupted):
     out = tmp_path / "run"
     args = [*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "latest"]
@@ -102,6 +121,7 @@ src.checkpoint.os.replace = replace_or_die
     assert train_losses(out)[0] == uninterrupted[1][0]
 
 
+@pytest.mark.slow
 def test_latest_without_checkpoint_starts_fresh(tmp_path):
     out = tmp_path / "run"
     result = run_command(
@@ -112,6 +132,7 @@ def test_latest_without_checkpoint_starts_fresh(tmp_path):
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_3"]
 
 
+@pytest.mark.slow
 def test_resume_with_other_global_batch_is_refused(tmp_path):
     out = tmp_path / "run"
     assert_ok(run_command([*launch_command(1), "--max_steps", "3", "--output_dir", str(out)]))

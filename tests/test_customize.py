@@ -1,13 +1,42 @@
-"""docs/customize.md's swaps, performed: a table with the tabular task, a metric written from the guide's code."""
+"""docs/customize.md, performed: the tabular task on a table, and a metric, a task and a train.py diff from its code.
+
+The code blocks are taken from the guide verbatim, each found by its first line (`# <its path>`), so the guide can't
+rot: what a reader copies is what these tests run.
+"""
 
 import re
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pandas as pd
+import pytest
+import torch
+import yaml
 
-from tests.conftest import REPO, assert_ok, read_metrics, run_train
+from src.config import parse_config
+from src.errors import UsageError
+from tests.conftest import (
+    REPO,
+    assert_ok,
+    assert_processes,
+    launch_command,
+    read_metrics,
+    run_command,
+    run_train,
+    series,
+)
 
 GUIDE = (REPO / "docs" / "customize.md").read_text()
+
+
+def code_block(first_line: str, language: str = "python") -> str:
+    """The guide's one ```language block whose first line starts with `first_line`."""
+    blocks = re.findall(rf"```{language}\n(.*?)```", GUIDE, flags=re.DOTALL)
+    found = [block for block in blocks if block.startswith(first_line)]
+    assert len(found) == 1, f"docs/customize.md: {len(found)} ```{language} blocks start with {first_line!r}"
+    return found[0]
 
 
 def digits_as_csv(tmp_path) -> dict[str, str]:
@@ -22,16 +51,21 @@ def digits_as_csv(tmp_path) -> dict[str, str]:
     return files
 
 
-def test_guide_shows_the_tabular_command():
-    assert "python train.py --task tabular --data_files" in GUIDE
+def test_guide_answers_where_things_are_and_shows_the_tabular_command():
+    assert "python train.py --task tabular --data_files" in GUIDE and "--hidden_size 64" in GUIDE
+    assert "--task_args" not in GUIDE  # gone: a task's options are flags
+    for path in ("src/tasks/<name>.py", "src/models/", "src/evaluate_metrics/<name>/<name>.py", "`Options`"):
+        assert path in GUIDE, path
+    for path in ("src/models/digits_cnn.py", "src/models/mlp.py", "src/models/gpt.py", "src/tasks/base.py"):
+        assert (REPO / path).is_file(), path
 
 
+@pytest.mark.slow
 def test_tabular_csv_with_an_mlp_and_a_metric_from_the_guide(tmp_path):
     files = digits_as_csv(tmp_path)
-    metric_code = re.search(r"```python\n(.*?)```", GUIDE, flags=re.DOTALL).group(1)
     metric_dir = tmp_path / "f1_macro"
     metric_dir.mkdir()
-    (metric_dir / "f1_macro.py").write_text(metric_code)
+    (metric_dir / "f1_macro.py").write_text(code_block("# src/evaluate_metrics/f1_macro/f1_macro.py"))
     out = tmp_path / "run"
     result = run_train(
         "--task", "tabular", "--data_files", f"{{train: {files['train']}, eval: {files['eval']}}}",
@@ -44,6 +78,7 @@ def test_tabular_csv_with_an_mlp_and_a_metric_from_the_guide(tmp_path):
     assert 0.85 < final["eval/f1_macro"] <= 1.0
 
 
+@pytest.mark.slow
 def test_tabular_with_named_features_and_a_bad_task_arg(tmp_path):
     files = digits_as_csv(tmp_path)
     data = ["--data_files", f"{{train: {files['train']}, eval: {files['eval']}}}", "--label_column", "digit"]
@@ -54,3 +89,81 @@ def test_tabular_with_named_features_and_a_bad_task_arg(tmp_path):
     assert read_metrics(out)[0]["setup/parameters"] == 4 * 64 + 64 + 64 * 64 + 64 + 64 * 10 + 10
     bad = run_train("--task", "tabular", *data, "--hidden", "8", "--output_dir", str(tmp_path / "bad"))
     assert bad.returncode == 2 and "did you mean --hidden_size?" in bad.stderr.splitlines()[-1]
+
+
+def test_a_task_written_from_the_guide_trains_the_same_on_1_and_2_processes(tmp_path, monkeypatch, capsys):
+    """The guide's task file, verbatim, in a package of its own: its collate_fn pads variable-length samples, its
+    typed option is a flag saved in config.yaml, and 1 and 2 processes train it identically, to well above chance."""
+    package = tmp_path / "guide_tasks"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "sequences.py").write_text(code_block("# src/tasks/sequences.py"))
+    made = run_command([sys.executable, "-c", code_block("# make_sequences.py")], cwd=tmp_path)
+    assert_ok(made)
+    data = tmp_path / "data" / "sequences"
+    assert [len((data / f"{split}.jsonl").read_text().splitlines()) for split in ("train", "eval")] == [640, 101]
+
+    files = f"{{train: {data / 'train.jsonl'}, eval: {data / 'eval.jsonl'}}}"
+    task = ["--task", "guide_tasks.sequences", "--data_files", files]
+    env = {"PYTHONPATH": str(tmp_path)}
+    args = [*task, "--embedding_dim", "16", "--learning_rate", "1e-2", "--max_steps", "60",
+            "--logging_steps", "1", "--eval_steps", "1000"]  # fmt: skip
+    runs = {n: tmp_path / f"run{n}" for n in (1, 2)}
+    for n, out in runs.items():
+        assert_ok(run_train(*args, "--output_dir", str(out), processes=n, env=env))
+        assert_processes(out, n)
+    one, two = (read_metrics(runs[n]) for n in (1, 2))
+    losses = [series(rows, "train/loss") for rows in (one, two)]
+    assert list(losses[0]) == list(range(1, 61)) == list(losses[1])
+    torch.testing.assert_close(torch.tensor(list(losses[1].values())), torch.tensor(list(losses[0].values())),
+                               atol=1e-5, rtol=0)  # fmt: skip
+    final = [rows[-1] for rows in (one, two)]
+    assert final[0]["eval/num_samples"] == final[1]["eval/num_samples"] == 101
+    assert final[0]["eval/accuracy"] == final[1]["eval/accuracy"] > 0.8  # 3 classes: chance is 1/3
+
+    saved = yaml.safe_load((runs[2] / "config.yaml").read_text())
+    assert saved["task"] == "guide_tasks.sequences" and saved["embedding_dim"] == 16
+    assert saved["tokens_column"] == "tokens" and "task_args" not in saved
+    monkeypatch.syspath_prepend(str(tmp_path))  # the option's checks and help, in this process: no more runs
+    try:
+        with pytest.raises(UsageError, match=r"--embeding_dim 16; did you mean --embedding_dim\?"):
+            parse_config([*task, "--embeding_dim", "16"])
+        with pytest.raises(UsageError, match="embedding_dim.*Expected a <class 'int'>"):
+            parse_config([*task, "--embedding_dim", "x"])
+        with pytest.raises(SystemExit):
+            parse_config([*task, "--help"])
+        assert "--embedding_dim EMBEDDING_DIM" in capsys.readouterr().out
+    finally:
+        for name in [name for name in sys.modules if name.split(".")[0] == "guide_tasks"]:
+            del sys.modules[name]
+
+
+@pytest.mark.slow
+def test_the_guides_ema_diff_to_train_py_is_the_same_on_1_and_2_processes(tmp_path):
+    """The guide's diff applied to a copy of train.py: the EMA's eval is identical on 1 and 2 processes, differs
+    from the final weights' eval, and survives a resume (it is registered for checkpointing)."""
+    shutil.copy(REPO / "train.py", tmp_path / "train.py")
+    (tmp_path / "ema.diff").write_text(code_block("--- a/train.py", language="diff"))
+    patched = subprocess.run(["patch", "--batch", "--fuzz=0", "-p1", "-d", str(tmp_path), "-i", "ema.diff"],
+                             cwd=tmp_path, capture_output=True, text=True)  # fmt: skip
+    assert patched.returncode == 0, f"the guide's diff no longer applies to train.py:\n{patched.stdout}{patched.stderr}"
+
+    def run(n: int, out, *extra: str) -> list[dict]:
+        command = [part if part != "train.py" else str(tmp_path / "train.py") for part in launch_command(n)]
+        args = ["--learning_rate", "1e-3", "--max_steps", "40", "--save_steps", "20", "--logging_steps", "10",
+                "--eval_steps", "1000", "--output_dir", str(out), *extra]  # fmt: skip
+        assert_ok(run_command([*command, *args], env={"PYTHONPATH": str(REPO)}))  # src/ from the repo
+        assert_processes(out, n)
+        return read_metrics(out)
+
+    one, two = run(1, tmp_path / "run1"), run(2, tmp_path / "run2")
+    torch.testing.assert_close(series(two, "train/loss"), series(one, "train/loss"), atol=1e-5, rtol=0)
+    final = [rows[-1] for rows in (one, two)]
+    assert {"eval_ema/loss", "eval_ema/accuracy", "eval/loss"} <= final[0].keys() and final[0]["step"] == 40
+    assert final[0]["eval_ema/accuracy"] == final[1]["eval_ema/accuracy"]
+    assert final[0]["eval_ema/num_samples"] == final[1]["eval_ema/num_samples"] == 359
+    assert final[1]["eval_ema/loss"] == pytest.approx(final[0]["eval_ema/loss"], abs=1e-5, rel=0)
+    assert abs(final[0]["eval_ema/loss"] - final[0]["eval/loss"]) > 1e-3  # the EMA is another model
+
+    resumed = run(1, tmp_path / "resumed", "--resume_from_checkpoint", str(tmp_path / "run1/checkpoints/step_20"))
+    assert resumed[-1]["eval_ema/loss"] == pytest.approx(final[0]["eval_ema/loss"], abs=1e-5, rel=0)

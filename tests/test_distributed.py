@@ -3,7 +3,17 @@
 import pytest
 import torch
 
-from tests.conftest import QUICK, REPO, assert_ok, free_port, read_metrics, run_python, run_train, series
+from tests.conftest import (
+    QUICK,
+    REPO,
+    assert_ok,
+    assert_processes,
+    free_port,
+    read_metrics,
+    run_python,
+    run_train,
+    series,
+)
 
 # Over 40 steps at this learning rate float32 round-off (different summation order in DDP's all-reduce)
 # stays below 1e-6; at higher rates training amplifies it, as it does for 1-process accumulation vs one batch.
@@ -23,7 +33,7 @@ def one_and_two_processes(tmp_path_factory):
 
 def test_two_processes_really_ran_as_two(one_and_two_processes):
     for processes, (_, rows) in one_and_two_processes.items():
-        assert rows[0]["setup/world_size"] == processes
+        assert [row["setup/world_size"] for row in rows if "setup/world_size" in row] == [processes]
         assert rows[0]["setup/global_batch"] == 64
         assert rows[0]["setup/gradient_accumulation"] == 2 // processes
 
@@ -52,6 +62,7 @@ def test_two_processes_log_each_line_once(one_and_two_processes, tmp_path):
     assert console.count("model saved to") == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("processes", [1, 2, 3])
 def test_eval_counts_every_sample_once(out, processes):
     """359 eval images (a prime): uneven shards on any process count, still each sample counted once."""
@@ -60,9 +71,8 @@ def test_eval_counts_every_sample_once(out, processes):
         processes=processes,
     )  # fmt: skip
     assert_ok(result)
-    rows = read_metrics(out)
-    assert rows[0]["setup/world_size"] == processes
-    assert list(series(rows, "eval/num_samples").values()) == [359]
+    assert_processes(out, processes)
+    assert list(series(read_metrics(out), "eval/num_samples").values()) == [359]
 
 
 PLAIN_ACCELERATOR = """
@@ -76,6 +86,7 @@ command_line(main)(sys.argv[1:])
 """
 
 
+@pytest.mark.slow
 def test_processes_that_form_no_group_are_refused(out, tmp_path):
     """torchrun starts 2 processes; without cpu=True each would see world size 1 and train alone, silently."""
     script = tmp_path / "plain_accelerator.py"

@@ -5,9 +5,10 @@ import sys
 
 import pytest
 import torch
+import yaml
 
 from scripts.readme_commands import section_commands
-from tests.conftest import QUICK, REPO, assert_ok, free_port, read_metrics, run_command
+from tests.conftest import QUICK, REPO, assert_ok, assert_processes, free_port, read_metrics, run_command
 
 
 def test_quickstart_is_exactly_two_commands_and_ci_runs_them():
@@ -39,4 +40,13 @@ def test_launch_command_runs(command, tmp_path):
     expected_processes = int(words[words.index("--num_processes") + 1]) if "--num_processes" in words else 1
     if "ddp.yaml" in command and "--num_processes" not in words:
         expected_processes = 2
-    assert read_metrics(tmp_path / "run")[0]["setup/world_size"] == expected_processes
+    assert_processes(tmp_path / "run", expected_processes)
+    if "cpu.yaml" in command:  # the CPU even where a GPU exists (on a machine without one: trivially)
+        assert read_metrics(tmp_path / "run")[0]["setup/device"] == "cpu"
+
+
+def test_cpu_config_forces_the_cpu():
+    """What makes `accelerate_configs/cpu.yaml` train on the CPU on a GPU machine: accelerate's use_cpu."""
+    config = yaml.safe_load((REPO / "accelerate_configs" / "cpu.yaml").read_text())
+    assert config["use_cpu"] is True
+    assert (config["distributed_type"], config["num_processes"]) == ("NO", 1)

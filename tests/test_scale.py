@@ -1,10 +1,21 @@
 """Scaling features through the same train.py: notebooks, auto batch size, early stopping, debug presets, profiler."""
 
 import json
+import math
 
 import pytest
 
-from tests.conftest import QUICK, REPO, assert_ok, read_metrics, run_python, run_train, run_with_hook, series
+from tests.conftest import (
+    QUICK,
+    REPO,
+    assert_ok,
+    assert_processes,
+    read_metrics,
+    run_python,
+    run_train,
+    run_with_hook,
+    series,
+)
 
 LAUNCH_TWICE = """
 import sys
@@ -16,23 +27,27 @@ for run in ("a", "b"):  # a second launch from the same process, like re-running
 """
 
 
+@pytest.mark.slow
 def test_notebook_launcher_forms_a_two_process_group_and_can_rerun(tmp_path):
     result = run_python("-c", LAUNCH_TWICE.format(repo=str(REPO), quick=QUICK, out=str(tmp_path / "run_")))
     assert_ok(result)
     for run in ("a", "b"):
+        assert_processes(tmp_path / f"run_{run}", 2)
         rows = read_metrics(tmp_path / f"run_{run}")
-        assert rows[0]["setup/world_size"] == 2
         assert [r["step"] for r in rows if "train/loss" in r] == [2, 4, 6]  # one metrics file, each step once
 
 
+@pytest.mark.slow
 def test_the_notebook_runs(tmp_path):
     notebook = json.loads((REPO / "notebooks" / "train_in_notebook.ipynb").read_text())
     code = "\n\n".join("".join(cell["source"]) for cell in notebook["cells"] if cell["cell_type"] == "code")
     result = run_python("-c", code, cwd=REPO / "notebooks")
     assert_ok(result)
     assert "world size: 2" in result.stdout
+    assert_processes(REPO / "runs" / "notebook", 2)  # the notebook's output_dir, relative to the repo root
 
 
+@pytest.mark.slow
 def test_auto_find_batch_size_keeps_the_global_batch(tmp_path):
     """A simulated out-of-memory error above 16 samples per device: halve once, accumulate 4 batches instead."""
     out = tmp_path / "run"
@@ -56,18 +71,21 @@ Digits.loss = loss_or_oom
     assert logs.count("out of memory with a per-device batch of") == 1  # 32 -> 16: one line per halving
 
 
+@pytest.mark.slow
 def test_early_stopping_stops_every_process_at_the_same_step(tmp_path):
     out = tmp_path / "run"
     result = run_train("--max_steps", "200", "--eval_steps", "10", "--logging_steps", "10", "--learning_rate", "1e-9",
                        "--early_stopping_patience", "2", "--early_stopping_metric", "eval/accuracy",
                        "--early_stopping_mode", "max", "--output_dir", str(out), processes=2, timeout=120)  # fmt: skip
     assert_ok(result)  # a process that stopped alone would leave the other hanging until the timeout
+    assert_processes(out, 2)
     rows = read_metrics(out)
     assert rows[-1]["step"] == 30  # no improvement at steps 20 and 30
     assert (out / "checkpoints" / "step_30").is_dir() and (out / "model" / "model.safetensors").exists()
     assert (result.stdout + result.stderr).count("early stopping at step 30") == 1
 
 
+@pytest.mark.slow
 def test_overfit_preset_drives_the_train_loss_to_zero(tmp_path):
     out = tmp_path / "run"
     result = run_train("--config", "configs/default.yaml", "--config", "configs/debug/overfit.yaml",
@@ -76,6 +94,7 @@ def test_overfit_preset_drives_the_train_loss_to_zero(tmp_path):
     assert series(read_metrics(out), "train/loss")[150] < 0.05
 
 
+@pytest.mark.slow
 def test_smoke_preset_and_profiler_trace(tmp_path):
     out = tmp_path / "run"
     result = run_train("--config", "configs/default.yaml", "--config", "configs/debug/smoke.yaml",
@@ -86,6 +105,7 @@ def test_smoke_preset_and_profiler_trace(tmp_path):
     assert any("aten::" in event.get("name", "") for event in trace["traceEvents"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flags, message",
     [
@@ -98,3 +118,45 @@ def test_unsupported_options_are_clear_errors(tmp_path, flags, message):
     result = run_train(*QUICK, "--output_dir", str(tmp_path / "run"), *flags)
     assert result.returncode == 2
     assert message in result.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_torch_compile_trains_on_the_cpu(tmp_path):
+    """--torch_compile true: inductor compiles the model (its cache fills) and the losses are eager's."""
+    flags = [*QUICK, "--max_steps", "4", "--logging_steps", "1", "--model", "linear", "--norm", "none"]
+    cache = tmp_path / "inductor"  # empty: the run compiles for real instead of loading an earlier compilation
+    compiled = run_train(*flags, "--torch_compile", "true", "--output_dir", str(tmp_path / "compiled"),
+                         env={"TORCHINDUCTOR_CACHE_DIR": str(cache)}, timeout=600)  # fmt: skip
+    assert_ok(compiled)
+    assert any(path.suffix == ".py" for path in cache.rglob("*")), "inductor generated no code"
+    assert_ok(run_train(*flags, "--output_dir", str(tmp_path / "eager")))
+    losses, eager = (series(read_metrics(tmp_path / run), "train/loss") for run in ("compiled", "eager"))
+    assert list(losses) == [1, 2, 3, 4] and all(math.isfinite(loss) for loss in losses.values())
+    assert losses == pytest.approx(eager, abs=1e-5)
+
+
+# the model's own output, inside Accelerate's autocast wrapper (which casts what leaves the model back to float32)
+RECORD_LOGITS_DTYPE = """
+from src.models.digits_cnn import DigitsCNN
+forward = DigitsCNN.forward
+def recording(self, images):
+    logits = forward(self, images)
+    print("LOGITS DTYPE", logits.dtype, flush=True)
+    return logits
+DigitsCNN.forward = recording
+"""
+
+
+@pytest.mark.slow
+def test_bf16_mixed_precision_trains_on_the_cpu(tmp_path, out):
+    result = run_with_hook(tmp_path, ["--max_steps", "30", "--logging_steps", "10", "--eval_steps", "1000",
+                                      "--mixed_precision", "bf16", "--output_dir", str(out)],
+                           extra=RECORD_LOGITS_DTYPE)  # fmt: skip
+    assert_ok(result)
+    rows = read_metrics(out)
+    assert rows[0]["setup/mixed_precision"] == "bf16"
+    dtypes = [line for line in result.stdout.splitlines() if line.startswith("LOGITS DTYPE")]
+    assert len(dtypes) == 30 * 2 + 3 and set(dtypes) == {"LOGITS DTYPE torch.bfloat16"}  # 60 train + 3 eval batches
+    losses = series(rows, "train/loss")
+    assert list(losses) == [10, 20, 30] and all(math.isfinite(loss) for loss in losses.values())
+    assert losses[30] < losses[20] < losses[10]

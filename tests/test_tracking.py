@@ -1,13 +1,16 @@
 """Tracking never blocks a job: wandb without credentials goes offline, tensorboard and metrics.jsonl agree."""
 
+import re
 import shlex
 import shutil
 
 import pytest
 
+from src.config import TrainConfig
 from tests.conftest import (
     QUICK,
     assert_ok,
+    assert_processes,
     launch_command,
     read_metrics,
     run_command,
@@ -26,6 +29,7 @@ def offline_runs(out) -> list:
     return sorted((out / "wandb").glob("offline-run-*"))
 
 
+@pytest.mark.slow
 def test_wandb_without_credentials_goes_offline_on_two_processes(tmp_path):
     out = tmp_path / "run"
     result = run_command(
@@ -33,10 +37,12 @@ def test_wandb_without_credentials_goes_offline_on_two_processes(tmp_path):
         env=no_wandb_credentials(tmp_path), timeout=120,
     )  # fmt: skip
     assert_ok(result)
+    assert_processes(out, 2)
     assert len(offline_runs(out)) == 1  # one run per launch, made by the main process alone
     assert (result.stdout + result.stderr).count("wandb: no API key found, logging offline") == 1
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("script") is None, reason="needs util-linux `script` for a pseudo-terminal")
 def test_wandb_without_credentials_in_a_terminal_does_not_prompt(tmp_path):
     out = tmp_path / "run"
@@ -44,10 +50,12 @@ def test_wandb_without_credentials_in_a_terminal_does_not_prompt(tmp_path):
     result = run_command(["script", "-qec", shlex.join(command), "/dev/null"], env=no_wandb_credentials(tmp_path),
                          timeout=120)  # fmt: skip
     assert_ok(result)
+    assert_processes(out, 2)
     assert len(offline_runs(out)) == 1
     assert "no API key found, logging offline" in result.stdout  # `script` merges both streams into stdout
 
 
+@pytest.mark.slow
 def test_resumed_run_continues_the_same_wandb_run(tmp_path):
     out = tmp_path / "run"
     args = [*QUICK, "--max_steps", "10", "--output_dir", str(out), "--report_to", "wandb",
@@ -60,12 +68,13 @@ def test_resumed_run_continues_the_same_wandb_run(tmp_path):
     assert len(offline_runs(out)) == 2 and len(run_ids) == 1
 
 
+@pytest.mark.slow
 def test_tensorboard_event_file_holds_the_logged_scalars(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "run"
     assert_ok(run_command([*launch_command(1), *QUICK, "--output_dir", str(out), "--report_to", "tensorboard"]))
-    events = EventAccumulator(str(out / "accelerate-template"))  # output_dir/project_name, hparams in a subfolder
+    events = EventAccumulator(str(out / TrainConfig.project_name))  # output_dir/project_name, hparams in a subfolder
     events.Reload()
     logged = {event.step: event.value for event in events.Scalars("train/loss")}
     expected = series(read_metrics(out), "train/loss")
@@ -73,6 +82,7 @@ def test_tensorboard_event_file_holds_the_logged_scalars(tmp_path):
     assert "eval/accuracy" in events.Tags()["scalars"]
 
 
+@pytest.mark.slow
 def test_report_to_none_imports_no_tracker(tmp_path):
     code = f"""
 import sys
@@ -87,6 +97,7 @@ print("TRACKER MODULES:", loaded)
     assert "TRACKER MODULES: []" in result.stdout
 
 
+@pytest.mark.slow
 def test_every_log_interval_has_the_throughput_and_memory_keys(tmp_path):
     out = tmp_path / "run"
     assert_ok(run_command([*launch_command(1), *QUICK, "--output_dir", str(out)]))
@@ -98,26 +109,34 @@ def test_every_log_interval_has_the_throughput_and_memory_keys(tmp_path):
         assert row["train/samples_per_s"] > 0 and row["train/peak_memory_gb"] > 0
 
 
+@pytest.mark.slow
 def test_plot_script_on_real_runs(tmp_path):
     runs = []
     for processes in (1, 2):
         out = tmp_path / f"p{processes}"
         assert_ok(run_command([*launch_command(processes), *QUICK, "--output_dir", str(out)]))
+        assert_processes(out, processes)
         runs.append(str(out))
     png = tmp_path / "curves.png"
     assert_ok(run_python("scripts/plot_metrics.py", *runs, "-o", str(png)))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_step_timer_counts_only_the_steps_it_timed(monkeypatch):
-    """After a resume at step 100 the loss window also holds steps trained before it; the clock saw 10 steps."""
-    from src import tracking
+# tqdm's bar: "| 6/6 [00:01<00:00,  4.50step/s]" (or "s/step" when a step takes longer than a second)
+PROGRESS_BAR = re.compile(r"\| *6/6 \[[^\]]*(step/s|s/step)")
 
-    clock = iter([50.0, 52.0, 53.0, 60.0, 61.0, 62.0])
-    monkeypatch.setattr(tracking.time, "perf_counter", lambda: next(clock))
-    timer = tracking.StepTimer(step=100)  # started at 50 s
-    assert timer.seconds_per_step(110) == pytest.approx(0.2)  # 52 s: 2 s over 10 steps
-    timer.restart(110)  # at 53 s
-    with timer.paused():  # 60 -> 61 s: an evaluation, not counted
-        pass
-    assert timer.seconds_per_step(120) == pytest.approx((62.0 - 53.0 - 1.0) / 10)
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("script") is None, reason="needs util-linux `script` for a pseudo-terminal")
+def test_progress_bar_in_a_terminal_and_plain_lines_otherwise(tmp_path):
+    command = [*launch_command(1), *QUICK, "--output_dir", str(tmp_path / "tty")]
+    # a terminal with a size, as a user's has (`script` alone makes a 0x0 one, where tqdm hides the bar)
+    in_terminal = run_command(["script", "-qec", f"stty rows 24 cols 120 && {shlex.join(command)}", "/dev/null"])
+    assert_ok(in_terminal)
+    assert PROGRESS_BAR.search(in_terminal.stdout), in_terminal.stdout[-2000:]  # `script` merges both streams
+
+    captured = run_command([*launch_command(1), *QUICK, "--output_dir", str(tmp_path / "pipe")])
+    assert_ok(captured)
+    logs = captured.stdout + captured.stderr
+    assert not PROGRESS_BAR.search(logs) and "step/s" not in logs and "\r" not in logs
+    assert [int(step) for step in re.findall(r"step (\d+) \| train/loss", logs)] == [2, 4, 6]  # plain lines

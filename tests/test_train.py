@@ -1,10 +1,12 @@
 """End to end on the default digits example: accuracy, outputs, the Python API."""
 
+# every test here trains: the slow tier (pytest -m "not slow" skips them)
+
 import pytest
 from safetensors.torch import load_file
 
 from src.config import TrainConfig
-from tests.conftest import QUICK, assert_ok, read_metrics, run_train, series
+from tests.conftest import QUICK, assert_ok, assert_processes, read_metrics, run_train, series
 
 
 @pytest.fixture
@@ -19,6 +21,7 @@ def fresh_accelerate_state():
     GradientState._reset_state()
 
 
+@pytest.mark.slow
 def test_default_example_reaches_95_percent(out):
     result = run_train("--output_dir", str(out))
     assert_ok(result)
@@ -35,6 +38,7 @@ def test_default_example_reaches_95_percent(out):
     assert "learning_rate: 0.003" in (out / "config.yaml").read_text()
 
 
+@pytest.mark.slow
 def test_main_takes_a_config_object_or_cli_args(tmp_path, fresh_accelerate_state):
     from train import main
 
@@ -47,6 +51,7 @@ def test_main_takes_a_config_object_or_cli_args(tmp_path, fresh_accelerate_state
     assert metrics["eval/num_samples"] == 359
 
 
+@pytest.mark.slow
 def test_existing_run_is_not_clobbered(out):
     assert_ok(run_train(*QUICK, "--output_dir", str(out)))
     before = (out / "metrics.jsonl").read_bytes()
@@ -59,12 +64,15 @@ def test_existing_run_is_not_clobbered(out):
     assert len(series(read_metrics(out), "train/loss")) == 3  # replaced, not appended
 
 
+@pytest.mark.slow
 def test_batchnorm_on_two_cpu_processes_warns_once(out):
     result = run_train(*QUICK, "--output_dir", str(out), "--norm", "batch", processes=2)
     assert_ok(result)
+    assert_processes(out, 2)
     assert (result.stdout + result.stderr).count("BatchNorm statistics are per process") == 1
 
 
+@pytest.mark.slow
 def test_main_in_process_restores_signal_handlers_even_when_training_fails(tmp_path, fresh_accelerate_state,
                                                                            monkeypatch):  # fmt: skip
     """A notebook calling main() keeps its own SIGTERM/SIGUSR1 handlers, after a run that raised as well."""
@@ -79,7 +87,10 @@ def test_main_in_process_restores_signal_handlers_even_when_training_fails(tmp_p
 
     before = {name: signal.getsignal(name) for name in (signal.SIGTERM, signal.SIGUSR1)}
     monkeypatch.setattr(Digits, "loss", loss)
-    with pytest.raises(TaskFailed, match=r"Digits.loss\(\) failed on a batch \(tensor float32 \[32, 1, 8, 8\], "
-                       r"tensor int64 \[32\]\): RuntimeError: the model broke"):
+    with pytest.raises(
+        TaskFailed,
+        match=r"Digits.loss\(\) failed on a batch \[tensor float32 \[32, 1, 8, 8\], "
+        r"tensor int64 \[32\]\]: RuntimeError: the model broke",
+    ):
         main(TrainConfig(output_dir=str(tmp_path / "run"), max_steps=4, eval_steps=1000))
     assert {name: signal.getsignal(name) for name in before} == before

@@ -1,4 +1,4 @@
-"""A small CNN for 8x8 digit images (the digits task's model). Replace it with yours: any `nn.Module` returning logits."""
+"""A small CNN for 8x8 digit images (the digits task's model). Replace it with any `nn.Module` returning logits."""
 
 import torch
 from torch import nn

@@ -71,7 +71,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """(batch, time) token ids -> (batch, time, vocab_size) next-token logits. The LM head shares the token embedding."""
+    """(batch, time) token ids -> (batch, time, vocab_size) next-token logits; the LM head is the token embedding."""
 
     def __init__(self, args: GPTConfig):
         super().__init__()

@@ -1,8 +1,8 @@
 """Tasks: what is trained, selected by `--task`. The contract is the `Task` class in src/tasks/base.py.
 
-    --task digits | tabular | causal_lm           the built-in tasks (this folder)
-    --task my_package.my_task                     a module defining one Task subclass
-    --task my_package.my_task.MyTask              or the class itself
+--task digits | tabular | causal_lm           the built-in tasks (this folder)
+--task my_package.my_task                     a module defining one Task subclass
+--task my_package.my_task.MyTask              or the class itself
 """
 
 import importlib

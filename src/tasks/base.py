@@ -61,6 +61,7 @@ class Task:
         raise NotImplementedError(f"{type(self).__name__} must implement build_datasets()")
 
     def build_model(self) -> nn.Module:
+        """Called after build_datasets, so a model can be sized from what the data held (features, labels)."""
         raise NotImplementedError(f"{type(self).__name__} must implement build_model()")
 
     def loss(self, model: nn.Module, batch) -> torch.Tensor:

@@ -19,11 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from src.data import load_splits
+from src.data import check_columns, load_splits
 from src.errors import UsageError
 from src.models.gpt import GPT, GPTConfig, count_parameters, flops_per_token
 from src.tasks.base import Task
-from src.tasks.classification import check_columns
 
 VOCAB_SIZE = 256  # bytes
 SEPARATOR = 0  # the byte between documents: NUL, which text files do not contain

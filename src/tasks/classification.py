@@ -34,13 +34,3 @@ def check_labels(labels: torch.Tensor, num_labels: int, split: str) -> None:
             f"labels must lie in 0..{num_labels - 1} but range {labels.min()}..{labels.max()} in the {split} split; "
             "set --num_labels"
         )
-
-
-def check_columns(split, wanted: list[str], flags: str) -> None:
-    """A UsageError naming the absent columns, the ones the data has and the flags that choose them."""
-    missing = set(wanted) - set(split.column_names)
-    if missing:
-        raise UsageError(
-            f"the data has no column {', '.join(sorted(missing))} (it has {', '.join(split.column_names)}); "
-            f"set {flags}"
-        )

@@ -12,9 +12,9 @@ from typing import Literal
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from src.data import load_splits
+from src.data import check_columns, load_splits
 from src.models.digits_cnn import DigitsCNN
-from src.tasks.classification import ClassificationTask, check_columns, check_labels
+from src.tasks.classification import ClassificationTask, check_labels
 
 
 class Digits(ClassificationTask):

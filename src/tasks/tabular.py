@@ -13,10 +13,10 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from src.data import load_splits
+from src.data import check_columns, load_splits
 from src.errors import UsageError
 from src.models.mlp import mlp
-from src.tasks.classification import ClassificationTask, check_columns, check_labels
+from src.tasks.classification import ClassificationTask, check_labels
 
 
 class Tabular(ClassificationTask):

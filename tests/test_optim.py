@@ -1,0 +1,93 @@
+"""The optimiser and schedule (src/optim.py): warmup + cosine/linear/constant values, one scheduler step per optimiser
+step, no weight decay on biases and normalisation weights."""
+
+import math
+
+import pytest
+import torch
+
+from src.config import TrainConfig
+from src.models.digits_cnn import DigitsCNN
+from src.optim import build_optimizer, build_scheduler, lr_factor
+from tests.conftest import assert_ok, read_metrics, run_train, series
+
+
+@pytest.mark.parametrize("kind", ["cosine", "linear"])
+def test_warmup_then_decay_at_known_steps(kind):
+    total, warmup = 100, 20
+    assert lr_factor(0, total, warmup, kind) == 1 / 21  # the first step already trains, at 1/(warmup + 1)
+    assert lr_factor(10, total, warmup, kind) == 11 / 21
+    assert lr_factor(19, total, warmup, kind) == 20 / 21
+    assert lr_factor(20, total, warmup, kind) == 1.0  # warmup done: the peak
+    assert lr_factor(60, total, warmup, kind) == pytest.approx(0.5, abs=1e-12)  # halfway through the decay
+    assert lr_factor(100, total, warmup, kind) == pytest.approx(0.0, abs=1e-12)
+    assert lr_factor(150, total, warmup, kind) == pytest.approx(0.0, abs=1e-12)  # past the end: stays at 0
+
+
+def test_cosine_and_linear_differ_between_the_known_points():
+    assert lr_factor(40, 100, 20, "linear") == pytest.approx(0.75)  # a quarter of the decay
+    assert lr_factor(40, 100, 20, "cosine") == pytest.approx(0.5 * (1 + math.cos(math.pi / 4)))  # 0.854
+
+
+def scheduler_lrs(kind: str, steps: int, total: int = 10, warmup: int = 4) -> list[float]:
+    """The LR after each of `steps` scheduler steps, through build_scheduler as train.py uses it."""
+    config = TrainConfig(learning_rate=1e-3, lr_scheduler_type=kind, warmup_steps=warmup)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=config.learning_rate)
+    scheduler = build_scheduler(optimizer, config, total)
+    lrs = [scheduler.get_last_lr()[0]]  # before the first step
+    for _ in range(steps):
+        optimizer.step()
+        scheduler.step()
+        lrs.append(scheduler.get_last_lr()[0])
+    return lrs
+
+
+def test_build_scheduler_follows_lr_factor():
+    for kind in ("cosine", "linear", "constant_with_warmup"):
+        expected = [1e-3 * lr_factor(step, 10, 4, kind) for step in range(11)]
+        assert scheduler_lrs(kind, 10) == pytest.approx(expected, rel=1e-12)
+    assert scheduler_lrs("constant_with_warmup", 10)[:5] == pytest.approx([1e-3 * s / 5 for s in range(1, 6)])
+    assert scheduler_lrs("constant", 10) == [1e-3] * 11  # constant: no warmup at all
+
+
+@pytest.mark.parametrize("norm", ["group", "batch", "none"])
+def test_no_weight_decay_on_biases_and_norm_weights(norm):
+    model = DigitsCNN(norm=norm)
+    decay, no_decay = build_optimizer(model, TrainConfig(weight_decay=0.1)).param_groups
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
+    in_decay, in_no_decay = {id(p) for p in decay["params"]}, {id(p) for p in no_decay["params"]}
+    for name, parameter in model.named_parameters():
+        assert id(parameter) in (in_decay if parameter.ndim >= 2 else in_no_decay), name
+    assert len(in_decay) + len(in_no_decay) == len(list(model.parameters()))  # each parameter in exactly one group
+    norms = (torch.nn.GroupNorm, torch.nn.BatchNorm2d)
+    norm_weights = {f"{m}.weight" for m, module in model.named_modules() if isinstance(module, norms)}
+    biases = {name for name, _ in model.named_parameters() if name.endswith(".bias")}
+    assert {name for name, p in model.named_parameters() if p.ndim == 1} == norm_weights | biases
+
+
+def test_weight_decay_shrinks_only_the_decayed_parameters():
+    """A step with zero gradients leaves Adam's update at 0: only the decoupled decay moves a parameter."""
+    model = DigitsCNN(norm="group")
+    optimizer = build_optimizer(model, TrainConfig(weight_decay=0.1, learning_rate=0.5))
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    optimizer.step()
+    for name, parameter in model.named_parameters():
+        factor = 1 - 0.5 * 0.1 if parameter.ndim >= 2 else 1.0
+        torch.testing.assert_close(parameter.detach(), before[name] * factor, rtol=0, atol=1e-7, msg=name)
+
+
+@pytest.mark.slow
+def test_one_scheduler_step_per_optimiser_step(out):
+    """With 2 micro-batches per optimiser step the logged LR after step s is the schedule's value at s, not at 2s."""
+    result = run_train("--max_steps", "10", "--warmup_steps", "4", "--logging_steps", "1", "--eval_steps", "1000",
+                       "--per_device_train_batch_size", "32", "--global_batch_size", "64",
+                       "--output_dir", str(out))  # fmt: skip
+    assert_ok(result)
+    rows = read_metrics(out)
+    assert rows[0]["setup/gradient_accumulation"] == 2
+    logged = series(rows, "train/lr")
+    assert list(logged) == list(range(1, 11))
+    expected = {step: 3e-3 * lr_factor(step, 10, 4, "cosine") for step in logged}
+    assert logged == pytest.approx(expected, rel=1e-9)

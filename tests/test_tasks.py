@@ -1,0 +1,252 @@
+"""The task contract: how --task finds a class, its typed options on the command line, its errors."""
+
+import dataclasses
+import sys
+import textwrap
+
+import pytest
+import torch
+import yaml
+
+from src.checkpoint import trained_any_step
+from src.config import TrainConfig, parse_config, resolve, save_config
+from src.data import build_dataloaders, check_first_batch
+from src.errors import EXIT_TASK_FAILED, LaunchError, TaskFailed, UsageError, describe
+from src.tasks import BUILT_IN, build_task, task_class, task_name
+from src.tasks.base import Task, task_errors
+from src.tasks.causal_lm import CausalLM
+from src.tasks.digits import Digits
+from tests.conftest import QUICK, assert_ok, launch_command, read_metrics, run_command, run_train, run_with_hook
+
+
+def digits_only(task: str) -> set[str]:
+    """Digits options that the other task does not have itself (norm, model, input_column, ...)."""
+    return {f.name for f in dataclasses.fields(Digits.Options)} - {
+        f.name for f in dataclasses.fields(task_class(task).Options)
+    }
+
+
+@pytest.fixture
+def task_module(tmp_path, monkeypatch):
+    """Write a module into an importable folder: returns a function (module name, source) -> module name."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def write(name: str, source: str) -> str:
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+        sys.modules.pop(name, None)
+        return name
+
+    return write
+
+
+TWO_TASKS = """
+from src.tasks.base import Task
+
+class First(Task):
+    pass
+
+class Second(Task):
+    pass
+"""
+
+
+def test_task_names_resolve_to_classes(task_module):
+    assert task_class("digits") is Digits and task_class("src.tasks.causal_lm") is CausalLM
+    assert task_class("src.tasks.causal_lm.CausalLM") is CausalLM
+    module = task_module("two_tasks", TWO_TASKS)
+    assert task_class(f"{module}.Second").__name__ == "Second"
+    with pytest.raises(UsageError, match="exactly one Task subclass .*two_tasks.First, two_tasks.Second"):
+        task_class(module)
+    with pytest.raises(UsageError, match="unknown --task 'nope'; use one of digits, tabular, causal_lm"):
+        task_class("nope")
+    with pytest.raises(UsageError, match="has no Task subclass 'Third'"):
+        task_class(f"{module}.Third")
+    assert [task_name(n) for n in ("digits", "my_pkg.my_task", "my_pkg.my_task.MyTask")] == [
+        "digits",
+        "my_task",
+        "my_task",
+    ]
+
+
+def test_task_options_are_flags_yaml_keys_and_saved_flat(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("task: causal_lm\nn_layer: 3\n")
+    config = parse_config(["--config", str(path), "--n_embd", "64", "--n_head", "2"])
+    assert config.task_args["n_layer"] == 3 and config.task_args["n_embd"] == 64
+    assert config.output_dir == "runs/causal_lm"  # the default follows the task
+    assert config.data_files == CausalLM.default_data_files
+    save_config(config, tmp_path / "config.yaml")
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert saved["n_layer"] == 3 and "task_args" not in saved
+    assert not digits_only("causal_lm") & set(saved), "a causal_lm config holds digits-only settings"
+    assert parse_config(["--config", str(tmp_path / "config.yaml")]) == config  # the saved file runs the same
+
+
+@pytest.mark.parametrize("task", ["tabular", "causal_lm"])
+def test_other_tasks_configs_hold_no_digits_settings(tmp_path, task):
+    config = resolve(TrainConfig(task=task, data_files={"train": "x.csv", "eval": "y.csv"}))
+    save_config(config, tmp_path / "config.yaml")
+    saved = set(yaml.safe_load((tmp_path / "config.yaml").read_text()))
+    assert "norm" in digits_only(task) and not digits_only(task) & saved
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--task", "causal_lm", "--norm", "batch"], "--norm is an option of --task digits, not of --task causal_lm"),
+        (["--nrom", "batch"], "did you mean --norm?"),
+        (["--task", "causal_lm", "--n_layers", "2"], "did you mean --n_layer?"),
+        (["--norm", "layer"], "norm"),
+        (["--task", "causal_lm", "--n_embd", "100", "--n_head", "3"], "n_embd 100 must be divisible by n_head 3"),
+    ],
+)
+def test_bad_task_options_are_one_line_usage_errors(argv, message):
+    with pytest.raises(UsageError, match=message) as info:
+        parse_config(argv)
+    assert "\n" not in str(info.value)
+
+
+def test_python_callers_get_the_same_checks():
+    with pytest.raises(UsageError, match="did you mean n_layer"):
+        resolve(TrainConfig(task="causal_lm", task_args={"n_layers": 2}))
+    assert build_task(resolve(TrainConfig(task_args={"norm": "none"}))).options.norm == "none"
+
+
+def test_help_lists_the_tasks_options(capsys):
+    with pytest.raises(SystemExit):
+        parse_config(["--task", "causal_lm", "--help"])
+    shown = capsys.readouterr().out
+    assert "options of --task causal_lm" in shown and "--block_size" in shown and "context length" in shown
+    assert "--learning_rate" in shown and "--norm" not in shown
+
+
+def test_options_named_like_a_run_field_are_refused(task_module):
+    module = task_module("clashing", """
+        from dataclasses import dataclass
+        from src.tasks.base import Task
+
+        class Clashing(Task):
+            @dataclass
+            class Options:
+                learning_rate: float = 0.1
+        """)  # fmt: skip
+    with pytest.raises(UsageError, match="Clashing.Options fields learning_rate clash with TrainConfig"):
+        parse_config(["--task", module])
+
+
+def test_every_built_in_task_subclasses_the_contract():
+    for name in BUILT_IN:
+        cls = task_class(name)
+        assert issubclass(cls, Task) and dataclasses.is_dataclass(cls.Options)
+        for hook in ("build_datasets", "build_model", "loss", "eval_outputs"):
+            assert getattr(cls, hook) is not getattr(Task, hook), f"{name} lacks {hook}"
+
+
+# --- errors in a task's code ---
+
+
+class Broken(Digits):
+    def loss(self, model, batch):
+        inputs, labels = batch
+        return model(inputs.flatten(1)).sum()  # a shape bug inside the task: the CNN wants images
+
+
+def test_an_error_in_a_task_hook_names_the_hook_and_the_batch():
+    task = Broken(TrainConfig())
+    model = task.build_model()
+    batch = (torch.zeros(4, 1, 8, 8), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(TaskFailed) as info, task_errors(task):
+        task.loss(model, batch)
+    message = str(info.value)
+    assert message.startswith("Broken.loss() failed on a batch (tensor float32 [4, 1, 8, 8], tensor int64 [4]): ")
+    assert "\n" not in message
+
+    with pytest.raises(RuntimeError, match="out of memory"), task_errors(task):  # --auto_find_batch_size's signal
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    with pytest.raises(ZeroDivisionError), task_errors(task):  # not the task's code: left as it is
+        _ = 1 / 0
+
+
+def test_describe_names_the_structure():
+    batch = {"input_ids": torch.zeros(2, 5, dtype=torch.long), "labels": [1, 2]}
+    assert describe(batch) == "{input_ids: tensor int64 [2, 5], labels: [int, int]}"
+
+
+class Ragged(Task):
+    """Samples of different lengths and the default collate: what a text task without padding looks like."""
+
+    def build_datasets(self):
+        samples = [{"input_ids": torch.arange(n)} for n in (3, 5, 4, 6)]
+        return samples, samples
+
+
+def test_samples_that_cannot_be_batched_say_so():
+    train, evals = Ragged(TrainConfig()).build_datasets()
+    loader, _ = build_dataloaders(train, evals, dataclasses.replace(TrainConfig(), per_device_train_batch_size=2))
+    with pytest.raises(TaskFailed, match=r"Ragged: batching samples failed .*a sample is \{input_ids: tensor int64 "
+                                         r"\[3\]\}; .*collate_fn"):  # fmt: skip
+        check_first_batch(loader, Ragged(TrainConfig()))
+
+
+def test_launch_this_machine_cannot_run_is_one_line(monkeypatch):
+    from src.distributed import check_launch
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(LaunchError, match="asks for FSDP, which needs GPUs.*accelerate_configs/ddp.yaml"):
+        check_launch(use_cpu=True)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
+    check_launch(use_cpu=True)
+
+
+def test_a_run_that_failed_before_its_first_step_blocks_nothing(tmp_path):
+    out = tmp_path / "run"
+    (out).mkdir()
+    (out / "config.yaml").write_text("task: digits\n")
+    (out / "metrics.jsonl").write_text('{"step": 0, "setup/world_size": 1}\n')
+    assert not trained_any_step(out)
+    (out / "metrics.jsonl").write_text('{"step": 0, "setup/world_size": 1}\n{"step": 10, "train/loss": 2.0}\n')
+    assert trained_any_step(out)
+
+
+@pytest.mark.slow
+def test_task_failure_exits_70_and_the_same_command_then_runs(tmp_path):
+    out = tmp_path / "run"
+    broken = """
+from src.tasks.digits import Digits
+def loss(self, model, batch):
+    inputs, labels = batch
+    return model(inputs.flatten(1)).sum()
+Digits.loss = loss
+"""
+    failed = run_with_hook(tmp_path, [*QUICK, "--output_dir", str(out)], extra=broken)
+    assert failed.returncode == EXIT_TASK_FAILED, failed.stderr[-2000:]
+    last = failed.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: Digits.loss() failed on a batch [tensor float32 [32, 1, 8, 8], tensor int64 [32]]")
+    assert "Traceback" not in failed.stderr
+    assert_ok(run_train(*QUICK, "--output_dir", str(out)))  # nothing left behind blocks the retry
+    assert [row["step"] for row in read_metrics(out) if "train/loss" in row] == [2, 4, 6]
+
+
+@pytest.mark.parametrize("config", ["fsdp.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml"])
+def test_launch_script_refuses_what_this_machine_cannot_run_in_one_line(config):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    result = run_command([sys.executable, "scripts/launch.py", "--config_file", f"accelerate_configs/{config}",
+                          "--num_processes", "2", "train.py", *QUICK])  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]  # one line, nothing else
+    assert result.stderr.startswith(f"error: accelerate config accelerate_configs/{config} asks for ")
+    assert "use accelerate_configs/ddp.yaml" in result.stderr
+
+
+@pytest.mark.slow
+def test_plain_accelerate_launch_of_fsdp_says_why_once(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    command = [*launch_command(2), *QUICK, "--output_dir", str(tmp_path / "run")]
+    command[command.index("accelerate_configs/ddp.yaml")] = "accelerate_configs/fsdp.yaml"
+    result = run_command(command)
+    assert result.returncode != 0
+    assert result.stderr.count("error: the accelerate config asks for FSDP, which needs GPUs") == 1  # main process
+    assert "exitcode  : 2" in result.stderr  # every process stopped with the usage status: 2 of them ran
+    assert not (tmp_path / "run").exists()
