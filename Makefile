@@ -1,7 +1,7 @@
 # Shortcuts for the commands in README.md (each target is one of them).
 PY := .venv/bin/python
 
-.PHONY: setup train test test-fast lint format benchmark plot config-reference
+.PHONY: setup train test test-fast lint format benchmark config-reference
 
 setup:            ## create .venv with torch (CPU build without an NVIDIA GPU) and the pinned requirements
 	bash scripts/setup.sh

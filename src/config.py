@@ -194,13 +194,13 @@ def build_parser(name: str, task_cls):
     )
     parser.add_argument("--config", action=ActionConfigFile, help="YAML file with any of the fields below")
     parser.add_class_arguments(TrainConfig, as_group=False, skip={"task_args"})
-    source = Path(inspect.getsourcefile(task_cls) or "?").resolve()
-    source = source.relative_to(Path.cwd()) if source.is_relative_to(Path.cwd()) else source
     parser.add_class_arguments(task_cls.Options, as_group=True)
     helps = {**field_help(TrainConfig), **field_help(task_cls.Options)}
     for action in parser._actions:  # jsonargparse takes help from docstrings; ours are the fields' comments
         if action.dest in helps:
             action.help = helps[action.dest]
+    source = Path(inspect.getsourcefile(task_cls) or "?").resolve()
+    source = source.relative_to(Path.cwd()) if source.is_relative_to(Path.cwd()) else source
     for group in parser._action_groups:
         if group.title and task_cls.Options.__name__ in group.title:
             group.title = f"options of --task {name} ({source}: {task_cls.__qualname__}.Options)"
@@ -235,7 +235,7 @@ def suggestion(err: Exception, parser, task_cls, name: str) -> str:
     from src.tasks import BUILT_IN, task_class
 
     known = {a.dest for a in parser._actions}
-    words = set(re.findall(r"--(\w+)|'(\w+)'", str(err))) or set()
+    words = re.findall(r"--(\w+)|'(\w+)'", str(err))  # flags and quoted keys, in the message's order
     unknown = [w for pair in words for w in pair if w and w not in known]
     for word in unknown:
         for other_name in BUILT_IN:

@@ -143,5 +143,5 @@ def progress_bar(accelerator, total: int, initial: int = 0):
     from tqdm.auto import tqdm
 
     enabled = accelerator.is_main_process and sys.stdout.isatty()
-    width = shutil.get_terminal_size().columns  # 80 where a pseudo-terminal reports no size (tqdm would draw nothing)
-    return tqdm(total=total, initial=initial, disable=not enabled, unit="step", ncols=width)
+    size = shutil.get_terminal_size()  # 80x24 where a pseudo-terminal reports 0x0 (tqdm would then draw nothing)
+    return tqdm(total=total, initial=initial, disable=not enabled, unit="step", ncols=size.columns, nrows=size.lines)
