@@ -22,9 +22,11 @@ from src.checkpoint import (
     METRICS_FILE,
     PreemptionSignals,
     TrainerState,
+    check_hub_push,
     find_resume_checkpoint,
     load_checkpoint,
     prepare_output_dir,
+    push_to_hub,
     save_checkpoint,
     save_final_model,
 )
@@ -76,6 +78,7 @@ def train(config: TrainConfig) -> dict:
     global_batch = config.per_device_train_batch_size * accelerator.num_processes * accumulation
 
     # --- the task: data, model, metric; then the optimiser ---
+    check_hub_push(config)
     task = build_task(config)
     train_loader, eval_loader = build_dataloaders(*task.build_datasets(), config, task.collate_fn())
     check_split_sizes(train_loader, eval_loader, global_batch, accelerator.num_processes)
@@ -121,9 +124,9 @@ def train(config: TrainConfig) -> dict:
     model.train()
     # SIGTERM/SIGUSR1 -> checkpoint (handlers restored however we leave); an error in the task's code -> one line
     with PreemptionSignals(accelerator) as preemption, task_errors(task):
-        for batch in train_batches(accelerator, train_loader, step, steps_per_epoch):
+        for batch, scale in train_batches(accelerator, task, train_loader, step, steps_per_epoch):
             with optimizer.accumulate(model):  # accelerator.accumulate: gradients sync on the window's last batch
-                loss = task.loss(model, batch)
+                loss = task.loss(model, batch) if scale is None else task.loss(model, batch) * scale  # summed losses
                 optimizer.backward(loss)
                 if accelerator.sync_gradients:
                     grad_norm = optimizer.clip_grad_norm(config.max_grad_norm or math.inf)
@@ -181,24 +184,36 @@ def train(config: TrainConfig) -> dict:
         final_metrics = evaluate(task, model, eval_loader, metric, accelerator)
         log_metrics(accelerator, final_metrics, step)
         model_dir = save_final_model(accelerator, task, model, output_dir)
+        push_to_hub(accelerator, config, model_dir)
         logger.info("model saved to %s; metrics in %s", model_dir, output_dir / METRICS_FILE)
     accelerator.end_training()
     return final_metrics
 
 
-def train_batches(accelerator, train_loader, start_step: int, steps_per_epoch: int):
-    """Micro-batches in whole accumulation windows, epoch after epoch, from the one after `start_step`'s.
+def train_batches(accelerator, task, train_loader, start_step: int, steps_per_epoch: int):
+    """(micro-batch, scale) in whole accumulation windows, epoch after epoch, from the one after `start_step`'s.
 
     The seedable sampler's permutation is a function of the seed and the epoch, so a resumed run skips exactly
-    the batches it has trained on. Runs until the caller stops.
+    the batches it has trained on. Runs until the caller stops. `scale` is None for a task whose loss is a mean;
+    for a summed loss it is processes x accumulation / the terms of the whole global batch, counted over the
+    window's micro-batches and all-reduced: the gradient is then that of the global batch's mean term, on any
+    process count (accumulation and DDP average over the micro-batches, as they should for a mean).
     """
     accumulation = accelerator.gradient_accumulation_steps
     epoch, steps_done = divmod(start_step, steps_per_epoch)
     while True:
         train_loader.set_epoch(epoch)
         seen = steps_done * accumulation
-        batches = accelerator.skip_first_batches(train_loader, seen) if seen else train_loader
-        yield from islice(batches, (steps_per_epoch - steps_done) * accumulation)
+        batches = islice(accelerator.skip_first_batches(train_loader, seen) if seen else train_loader,
+                         (steps_per_epoch - steps_done) * accumulation)  # fmt: skip
+        if task.loss_reduction == "mean":
+            yield from ((batch, None) for batch in batches)
+        else:
+            while window := list(islice(batches, accumulation)):  # the window's micro-batches, read ahead
+                counted = torch.as_tensor(sum(task.count_items(batch) for batch in window), device=accelerator.device)
+                items = accelerator.reduce(counted.float(), reduction="sum")
+                scale = accelerator.num_processes * accumulation / items.clamp_min(1)
+                yield from ((batch, scale) for batch in window)
         epoch, steps_done = epoch + 1, 0
 
 

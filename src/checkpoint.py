@@ -128,6 +128,31 @@ def save_final_model(accelerator, task, model, output_dir: Path) -> Path:
     return model_dir
 
 
+def check_hub_push(config: TrainConfig) -> None:
+    """--push_to_hub: offline or without a token, say so before training rather than after it."""
+    if not config.push_to_hub:
+        return
+    from huggingface_hub import get_token
+
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", ""):
+        raise UsageError("--push_to_hub needs the Hugging Face Hub but HF_HUB_OFFLINE is set; unset one of them")
+    if get_token() is None:
+        raise UsageError("--push_to_hub needs a Hugging Face token: `hf auth login`, or set HF_TOKEN")
+
+
+def push_to_hub(accelerator, config: TrainConfig, model_dir: Path) -> None:
+    """Main process: create the repository if needed and upload model/ (weights, config, tokenizer)."""
+    if not (config.push_to_hub and accelerator.is_main_process):
+        return
+    from huggingface_hub import HfApi
+
+    repo_id = config.hub_model_id or Path(config.output_dir).resolve().name
+    api = HfApi()
+    api.create_repo(repo_id, exist_ok=True)
+    api.upload_folder(repo_id=repo_id, folder_path=str(model_dir), commit_message="Upload model trained with train.py")
+    logger.info("model pushed to https://huggingface.co/%s", repo_id)
+
+
 # --- checkpoints ---
 
 

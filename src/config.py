@@ -37,6 +37,8 @@ class TrainConfig:
     run_group: str | None = None  # wandb group, e.g. one per sweep
     report_to: str | list[str] = "none"  # wandb, tensorboard, a list or "a,b", all, none; metrics.jsonl always
     debug: bool = False  # full tracebacks instead of one-line errors
+    push_to_hub: bool = False  # upload model/ to the Hugging Face Hub at the end (checked before training starts)
+    hub_model_id: str | None = None  # the Hub repository, user/name; None: the output_dir's folder name
 
     # --- what to train (src/tasks/) ---
     task: str = "digits"  # digits, tabular, causal_lm, or a module path like my_package.my_task; its options are flags

@@ -11,8 +11,13 @@ import inspect
 from src.errors import UsageError
 from src.tasks.base import Task
 
-BUILT_IN = {"digits": "src.tasks.digits.Digits", "tabular": "src.tasks.tabular.Tabular",
-            "causal_lm": "src.tasks.causal_lm.CausalLM"}  # fmt: skip
+BUILT_IN = {
+    "digits": "src.tasks.digits.Digits",
+    "tabular": "src.tasks.tabular.Tabular",
+    "causal_lm": "src.tasks.causal_lm.CausalLM",
+    "text_classification": "src.tasks.text_classification.TextClassification",  # needs transformers
+    "language_modeling": "src.tasks.language_modeling.LanguageModeling",  # needs transformers
+}
 
 
 def task_class(name: str) -> type[Task]:

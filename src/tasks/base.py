@@ -48,6 +48,10 @@ class Task:
 
     Options: ClassVar[type] = NoOptions  # a dataclass; its fields become --flags (names must differ from TrainConfig's)
     metrics: ClassVar[list[str]] = []  # evaluate metrics computed from eval_outputs' predictions and references
+    # "mean": loss() is the micro-batch's mean. "sum": loss() is the sum over its count_items(batch) terms (tokens),
+    # and the loop divides by the terms of the whole global batch (all micro-batches, all processes), so padded
+    # batches of different lengths train the same on 1 and N processes.
+    loss_reduction: ClassVar[str] = "mean"
     default_data_files: ClassVar[dict[str, str] | None] = None  # used when neither data_files nor dataset_name is set
 
     def __init__(self, config: TrainConfig, options=None):
@@ -65,7 +69,7 @@ class Task:
         raise NotImplementedError(f"{type(self).__name__} must implement build_model()")
 
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
-        """The training loss of one micro-batch, a scalar averaged over the batch."""
+        """The training loss of one micro-batch: a scalar, its mean (or, with loss_reduction "sum", its sum)."""
         raise NotImplementedError(f"{type(self).__name__} must implement loss()")
 
     def eval_outputs(self, model: nn.Module, batch) -> dict[str, torch.Tensor]:
@@ -76,6 +80,10 @@ class Task:
         raise NotImplementedError(f"{type(self).__name__} must implement eval_outputs()")
 
     # --- may ---
+
+    def count_items(self, batch) -> torch.Tensor:
+        """With loss_reduction "sum": how many terms loss() summed over (e.g. the tokens with a label)."""
+        raise NotImplementedError(f"{type(self).__name__} has loss_reduction 'sum' and must implement count_items()")
 
     def collate_fn(self):
         """How samples become a batch (None: torch's default_collate), e.g. DataCollatorWithPadding(tokenizer)."""

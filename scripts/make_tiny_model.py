@@ -1,0 +1,123 @@
+"""Make tiny, randomly initialised BERT and GPT-2 models with their own tokenizers, offline, for tests and examples.
+
+    python scripts/make_tiny_model.py                                   # both, into data/tiny/bert and data/tiny/gpt2
+    python scripts/make_tiny_model.py --kind bert --out data/tiny/bert
+    python scripts/make_tiny_model.py --kind gpt2 --out data/tiny/gpt2
+
+Each folder is what `from_pretrained` loads: a tokenizer trained here with the `tokenizers` library on the Python
+standard library's source (the files scripts/prepare_text.py reads, capped to a few MB) and a model built from a
+tiny config with a fixed seed. BERT: a lowercasing WordPiece tokenizer and a `BertModel` (no head, so
+`AutoModelForSequenceClassification.from_pretrained(folder, num_labels=N)` adds a fresh classifier). GPT-2: a
+byte-level BPE tokenizer (`<|endoftext|>` is bos, eos, unk and pad) and a `GPT2LMHeadModel`. The result is the same
+on every run with this Python and these library versions; it is git-ignored and rebuilt in seconds.
+"""
+
+import argparse
+import sys
+import sysconfig
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers  # noqa: E402
+from transformers import BertConfig, BertModel, BertTokenizer, GPT2Config, GPT2LMHeadModel, GPT2Tokenizer  # noqa: E402
+
+from scripts.prepare_text import read_capped, source_files  # noqa: E402
+
+KINDS = ("bert", "gpt2")
+VOCAB_SIZE = 2000
+TEXT_MB = 3  # enough text for a 2,000-token vocabulary; training on it takes about a second
+BERT_SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]  # [PAD] first: pad id 0, as in the original BERT
+GPT2_SPECIAL = "<|endoftext|>"
+
+
+def training_texts(max_mb: float) -> list[str]:
+    """Stdlib source files, in sorted path order so that the trained vocabulary is the same on every run."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts, _ = read_capped(root, source_files(root), int(max_mb * 2**20))
+    return [texts[path] for path in sorted(texts)]
+
+
+def bert_tokenizer(texts: list[str]) -> BertTokenizer:
+    # The same normalizer, pre-tokenizer and decoder that BertTokenizer builds when from_pretrained loads the folder
+    # (it keeps only the vocabulary and post-processor of tokenizer.json), so the saved tokenizer splits text
+    # exactly as the trained one.
+    backend = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    backend.normalizer = normalizers.BertNormalizer(lowercase=True)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece(prefix="##")
+    trainer = trainers.WordPieceTrainer(vocab_size=VOCAB_SIZE, special_tokens=BERT_SPECIAL, show_progress=False)
+    backend.train_from_iterator(texts, trainer)
+    # The trainer numbers the "##" sub-word alphabet in hash-map order, which changes from run to run (the tokens do
+    # not): number everything after the special tokens alphabetically so that the same text gives the same ids.
+    trained = backend.get_vocab()
+    tokens = BERT_SPECIAL + sorted(set(trained) - set(BERT_SPECIAL))
+    backend.model = models.WordPiece({token: i for i, token in enumerate(tokens)}, unk_token="[UNK]")
+    return BertTokenizer(tokenizer_object=backend, model_max_length=128)  # sets the [CLS] ... [SEP] template
+
+
+def gpt2_tokenizer(texts: list[str]) -> GPT2Tokenizer:
+    # As for BERT: the pipeline GPT2Tokenizer rebuilds on load. The byte alphabet makes every string encodable.
+    backend = Tokenizer(models.BPE(continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE, special_tokens=[GPT2_SPECIAL], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )  # fmt: skip
+    backend.train_from_iterator(texts, trainer)
+    # GPT-2 has no pad token of its own; eos as pad is the usual choice (the attention mask hides it)
+    return GPT2Tokenizer(tokenizer_object=backend, pad_token=GPT2_SPECIAL, model_max_length=256)
+
+
+def bert_model(tokenizer: BertTokenizer) -> BertModel:
+    config = BertConfig(
+        vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+        max_position_embeddings=128, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    return BertModel(config)
+
+
+def gpt2_model(tokenizer: GPT2Tokenizer) -> GPT2LMHeadModel:
+    config = GPT2Config(
+        vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=2, n_positions=256,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+BUILDERS = {"bert": (bert_tokenizer, bert_model), "gpt2": (gpt2_tokenizer, gpt2_model)}
+
+
+def make(kind: str, out: Path, texts: list[str]) -> None:
+    make_tokenizer, make_model = BUILDERS[kind]
+    tokenizer = make_tokenizer(texts)
+    torch.manual_seed(0)  # the same initial weights on every run
+    model = make_model(tokenizer)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(out)
+    model.save_pretrained(out)
+    parameters = sum(p.numel() for p in model.parameters())
+    print(f"wrote {kind} to {out}: {parameters:,} parameters, vocabulary {len(tokenizer):,}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kind", choices=KINDS, help="one kind only (default: both)")
+    parser.add_argument("--out", type=Path, help="output folder (default: data/tiny/<kind>; needs --kind)")
+    parser.add_argument("--text_mb", type=float, default=TEXT_MB, help="MB of stdlib source to train tokenizers on")
+    args = parser.parse_args(argv)
+    if args.out is not None and args.kind is None:
+        parser.error("--out needs --kind: the two kinds cannot share a folder")
+    if args.text_mb <= 0:
+        parser.error(f"--text_mb must be > 0 (got {args.text_mb})")
+
+    texts = training_texts(args.text_mb)
+    for kind in [args.kind] if args.kind else KINDS:
+        make(kind, args.out or Path("data/tiny") / kind, texts)
+
+
+if __name__ == "__main__":
+    main()

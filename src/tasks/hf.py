@@ -1,0 +1,83 @@
+"""What the Hugging Face tasks share: loading a model, config and tokenizer (a local folder or the Hub, failing fast
+offline), tokenising once on the main process first, and saving the result with `save_pretrained`.
+
+`transformers` is optional: `pip install -r requirements-hf.txt` (scripts/setup.sh installs it for the tests).
+"""
+
+from contextlib import contextmanager
+from pathlib import Path
+
+from src.data import check_hub_repo
+from src.errors import UsageError
+
+
+def require_transformers():
+    try:
+        import transformers
+    except ImportError as err:
+        raise UsageError("the Hugging Face tasks need transformers: pip install -r requirements-hf.txt") from err
+    transformers.utils.logging.disable_progress_bar()  # loading and saving bars: the log lines say it already
+    return transformers
+
+
+def check_model_source(name: str | None, flag: str = "--model_name_or_path") -> str:
+    """A local folder, a cached Hub model, or a Hub model reachable now; otherwise one line saying what to do."""
+    if not name:
+        raise UsageError(f"set {flag} to a local model folder or a Hub name (e.g. bert-base-uncased)")
+    if Path(name).is_dir():
+        if not (Path(name) / "config.json").is_file():
+            raise UsageError(f"{flag} {name} is a folder without config.json: not a saved transformers model")
+        return name
+    if Path(name).exists() or name.startswith((".", "/")) or name.count("/") > 1:
+        raise UsageError(f"{flag} {name}: no such model folder")
+    check_hub_repo(name, "model", flag=flag, instead="use a local model folder (python scripts/make_tiny_model.py)")
+    return name
+
+
+def load_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(check_model_source(name, "--tokenizer_name"))
+
+
+def load_config(name: str, overrides: str | None, dropout: float | None, **settings):
+    """AutoConfig with `settings` (e.g. num_labels), `config_overrides` ("n_layer=2,n_embd=64", as in run_clm) and
+    every dropout probability set to `dropout` (None keeps the model's: > 0 makes 1 and N processes differ)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(name, **settings)
+    if overrides:
+        try:
+            config.update_from_string(overrides)
+        except ValueError as err:
+            raise UsageError(f"--config_overrides {overrides!r}: {err}") from err
+    if dropout is not None:
+        for key, value in config.to_dict().items():
+            if isinstance(value, float) and ("dropout" in key or key.endswith("pdrop")):
+                setattr(config, key, dropout)
+    return config
+
+
+@contextmanager
+def main_process_first():
+    """Tokenise on the main process first; the others then load its `datasets` cache instead of redoing it."""
+    from accelerate import PartialState
+
+    state = PartialState()
+    if not state.is_main_process:
+        require_transformers().logging.set_verbosity_error()  # one copy of transformers' warnings, not N
+    with state.main_process_first():
+        yield
+
+
+def save_pretrained(accelerator, model, tokenizer, directory: Path) -> None:
+    """Model (the full state dict, gathered under FSDP/DeepSpeed) and tokenizer, loadable with from_pretrained."""
+    unwrapped = accelerator.unwrap_model(model)
+    unwrapped.save_pretrained(
+        directory,
+        is_main_process=accelerator.is_main_process,
+        save_function=accelerator.save,
+        state_dict=accelerator.get_state_dict(model),
+    )
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(directory)

@@ -1,0 +1,129 @@
+"""Train a Hugging Face causal language model (GPT-2 and the like): `--task language_modeling`.
+
+    python train.py --task language_modeling --model_name_or_path gpt2 --data_files '{train: a.txt.jsonl, ...}'
+    python train.py --task language_modeling --model_name_or_path gpt2 --from_scratch true \
+        --config_overrides "n_layer=2,n_embd=64,n_head=2"        # a new model from a config: pre-training
+
+`AutoModelForCausalLM` + `AutoTokenizer` (option names as in transformers' run_clm_no_trainer.py). With `packing`
+(the default), texts are tokenised, joined and cut into blocks of `block_size` tokens (run_clm's group_texts): every
+sample is full, nothing is padded. Without it, each text is one sample, truncated to `block_size` and padded per
+batch. Either way the loss is summed over the tokens and divided by the tokens of the whole global batch (see
+`loss_reduction` in src/tasks/base.py), so 1 and N processes train the same even when batches hold padding.
+"""
+
+import math
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from src.data import check_columns, load_splits
+from src.errors import UsageError
+from src.tasks.base import Task
+from src.tasks.hf import (
+    check_model_source,
+    load_config,
+    load_tokenizer,
+    main_process_first,
+    require_transformers,
+    save_pretrained,
+)
+
+IGNORE = -100  # labels the loss skips: padding
+
+
+class LanguageModeling(Task):
+    @dataclass
+    class Options:
+        model_name_or_path: str | None = None  # a local model folder or a Hub name (gpt2); its config and tokenizer
+        tokenizer_name: str | None = None  # None: the model's
+        from_scratch: bool = False  # a new model from the config (and config_overrides), not the saved weights
+        config_overrides: str | None = None  # applied to the config, e.g. "n_layer=2,n_embd=64,n_head=2"
+        text_column: str = "text"
+        block_size: int | None = None  # tokens per sample; None: the tokenizer's model_max_length, at most 1024
+        packing: bool = True  # join texts and cut full blocks (run_clm); false: one text per sample, padded
+        dropout: float | None = None  # every dropout probability of the model; None: the model's own
+
+        def __post_init__(self):
+            if self.block_size is not None and self.block_size < 2:
+                raise UsageError(f"--block_size must be >= 2 (got {self.block_size})")
+            if self.dropout is not None and not 0 <= self.dropout < 1:
+                raise UsageError(f"--dropout must lie in [0, 1) (got {self.dropout})")
+
+    loss_reduction = "sum"
+
+    def build_datasets(self):
+        require_transformers()
+        options = self.options
+        self.model_path = check_model_source(options.model_name_or_path)
+        self.tokenizer = load_tokenizer(options.tokenizer_name or self.model_path)
+        if self.tokenizer.pad_token is None:  # GPT-2 has none; padded positions are masked out of the loss anyway
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.block_size = options.block_size or min(self.tokenizer.model_max_length, 1024)
+        splits = load_splits(self.config)
+        train, evals = splits[self.config.train_split], splits[self.config.eval_split]
+        for split in (train, evals):
+            check_columns(split, [options.text_column], "--text_column")
+        with main_process_first():
+            return self.tokenize(train), self.tokenize(evals)
+
+    def tokenize(self, split):
+        column, block_size = self.options.text_column, self.block_size
+
+        def encode(rows: dict) -> dict:
+            if not self.options.packing:
+                encoded = self.tokenizer(rows[column], truncation=True, max_length=block_size)
+                return {k: [v for v, ids in zip(values, encoded["input_ids"], strict=True) if len(ids) > 1]
+                        for k, values in encoded.items()}  # fmt: skip
+            ids = list(chain.from_iterable(self.tokenizer(rows[column])["input_ids"]))
+            usable = len(ids) // block_size * block_size  # the remainder of each map batch is dropped, as in run_clm
+            return {"input_ids": [ids[i : i + block_size] for i in range(0, usable, block_size)]}
+
+        blocks = split.map(encode, batched=True, remove_columns=split.column_names, desc="tokenizing")
+        if len(blocks) == 0:
+            raise UsageError(f"the {split.split or ''} split has no sample of 2 or more tokens; use more text, "
+                             "or a smaller --block_size")  # fmt: skip
+        return blocks
+
+    def collate_fn(self):
+        from transformers import DataCollatorForLanguageModeling
+
+        return DataCollatorForLanguageModeling(self.tokenizer, mlm=False, return_tensors="pt")  # labels -100 on pads
+
+    def build_model(self) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        config = load_config(self.model_path, self.options.config_overrides, self.options.dropout)
+        if self.options.from_scratch:
+            return AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_pretrained(self.model_path, config=config)
+
+    def token_losses(self, model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(batch, time - 1) next-token losses and the mask of the tokens that count (not padding)."""
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+        targets = batch["labels"][:, 1:]
+        losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE,
+                                 reduction="none")  # fmt: skip
+        return losses.view_as(targets), targets != IGNORE
+
+    def loss(self, model: nn.Module, batch) -> torch.Tensor:
+        losses, counted = self.token_losses(model, batch)
+        return losses.sum()  # summed: the loop divides by the global batch's count_items
+
+    def count_items(self, batch) -> torch.Tensor:
+        return (batch["labels"][:, 1:] != IGNORE).sum()
+
+    def eval_outputs(self, model: nn.Module, batch) -> dict[str, torch.Tensor]:
+        losses, counted = self.token_losses(model, batch)
+        return {"loss": losses.sum(dim=1), "weight": counted.sum(dim=1).float()}  # eval/loss: the mean per token
+
+    def derived_metrics(self, scores: dict) -> dict:
+        return {"eval/perplexity": math.exp(min(scores["eval/loss"], 700))}
+
+    def tokens_per_sample(self) -> int | None:
+        return self.block_size if self.options.packing else None
+
+    def save_model(self, accelerator, model: nn.Module, directory) -> None:
+        save_pretrained(accelerator, model, self.tokenizer, directory)

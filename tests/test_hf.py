@@ -1,0 +1,272 @@
+"""Hugging Face models: text_classification and language_modeling on a tiny local BERT / GPT-2 (offline), the same
+training on 1 and 2 processes with padded variable-length batches, and a model/ that from_pretrained loads."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import (
+    QUICK,
+    assert_ok,
+    assert_processes,
+    read_metrics,
+    run_python,
+    run_train,
+    run_with_hook,
+    series,
+)
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict[str, str]:
+    """A tiny BERT and GPT-2 with tokenizers trained here, and a text-classification data set: all offline."""
+    root = tmp_path_factory.mktemp("hf")
+    assert_ok(run_python("scripts/make_tiny_model.py", "--kind", "bert", "--out", str(root / "bert")))
+    assert_ok(run_python("scripts/make_tiny_model.py", "--kind", "gpt2", "--out", str(root / "gpt2")))
+    assert_ok(run_python("scripts/make_text_data.py", "--out", str(root / "text")))
+    data = f"{{train: {root / 'text' / 'train.jsonl'}, eval: {root / 'text' / 'eval.jsonl'}}}"
+    return {"bert": str(root / "bert"), "gpt2": str(root / "gpt2"), "data": data, "eval": str(root / "text/eval.jsonl")}
+
+
+def classification(assets, *args) -> list[str]:
+    return ["--task", "text_classification", "--model_name_or_path", assets["bert"], "--data_files", assets["data"],
+            "--dropout", "0", "--learning_rate", "1e-3", "--logging_steps", "1", "--eval_steps", "1000",
+            *args]  # fmt: skip
+
+
+def language_modeling(assets, *args) -> list[str]:
+    return ["--task", "language_modeling", "--model_name_or_path", assets["gpt2"], "--data_files", assets["data"],
+            "--dropout", "0", "--learning_rate", "1e-3", "--logging_steps", "1", "--eval_steps", "1000",
+            "--packing", "false", "--block_size", "64", *args]  # fmt: skip
+
+
+def losses(output_dir) -> torch.Tensor:
+    return torch.tensor(list(series(read_metrics(output_dir), "train/loss").values()))
+
+
+@pytest.fixture(scope="module")
+def classified(assets, tmp_path_factory) -> dict:
+    """1 process (8 x 4 accumulated) and 2 processes (8 x 2 each) at the same global batch of 32: padded batches."""
+    runs = {}
+    for processes in (1, 2):
+        out = tmp_path_factory.mktemp(f"tc{processes}") / "run"
+        args = classification(assets, "--max_steps", "12", "--per_device_train_batch_size", "8",
+                               "--global_batch_size", "32", "--output_dir", str(out))  # fmt: skip
+        assert_ok(run_train(*args, processes=processes))
+        assert_processes(out, processes)
+        runs[processes] = out
+    return runs
+
+
+@pytest.mark.slow
+def test_text_classification_trains_the_same_on_1_and_2_processes(classified):
+    one, two = (losses(classified[n]) for n in (1, 2))
+    assert len(one) == 12
+    torch.testing.assert_close(two, one, rtol=0, atol=1e-5)
+    final = [read_metrics(classified[n])[-1] for n in (1, 2)]
+    assert final[0]["eval/accuracy"] == final[1]["eval/accuracy"] and final[0]["eval/num_samples"] > 0
+    assert final[1]["eval/loss"] == pytest.approx(final[0]["eval/loss"], abs=1e-5)
+
+
+PREDICT = """
+import json, sys, torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline
+model_dir, eval_file = sys.argv[1:3]
+model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+tokenizer = AutoTokenizer.from_pretrained(model_dir)
+rows = [json.loads(line) for line in open(eval_file)]
+with torch.no_grad():
+    predicted = [model.config.id2label[model(**tokenizer(r["text"], truncation=True, max_length=128,
+                 return_tensors="pt")).logits.argmax(-1).item()] for r in rows]
+classify = pipeline("text-classification", model=model_dir)
+print(json.dumps({"accuracy": sum(p == r["label"] for p, r in zip(predicted, rows)) / len(rows),
+                  "pipeline": classify(rows[0]["text"])[0]["label"], "first": predicted[0],
+                  "labels": sorted(model.config.label2id)}))
+"""
+
+
+@pytest.mark.slow
+def test_saved_model_loads_with_from_pretrained_and_reproduces_the_eval_accuracy(classified, assets):
+    model_dir = classified[2] / "model"
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in model_dir.iterdir()
+    }
+    result = run_python("-c", PREDICT, str(model_dir), assets["eval"])
+    assert_ok(result)
+    loaded = json.loads(result.stdout.strip().splitlines()[-1])
+    assert loaded["accuracy"] == read_metrics(classified[2])[-1]["eval/accuracy"]  # exactly what the run logged
+    labels = sorted({json.loads(line)["label"] for line in Path(assets["eval"]).read_text().splitlines()})
+    assert loaded["labels"] == labels and all(isinstance(label, str) for label in labels)  # string labels kept
+    assert loaded["pipeline"] == loaded["first"]
+
+
+@pytest.fixture(scope="module")
+def modeled(assets, tmp_path_factory) -> dict:
+    """Padded texts: 1 process with one batch of 16 vs 2 processes with 4 x 2 each. Per-micro-batch means would
+    differ (each micro-batch has its own token count); the tokens of the global batch normalise both the same."""
+    runs = {}
+    for processes, per_device in ((1, "16"), (2, "4")):
+        out = tmp_path_factory.mktemp(f"lm{processes}") / "run"
+        args = language_modeling(assets, "--max_steps", "8", "--per_device_train_batch_size", per_device,
+                                 "--global_batch_size", "16", "--output_dir", str(out))  # fmt: skip
+        assert_ok(run_train(*args, processes=processes))
+        assert_processes(out, processes)
+        runs[processes] = out
+    return runs
+
+
+@pytest.mark.slow
+def test_language_modeling_normalises_by_the_global_token_count(modeled):
+    one, two = (losses(modeled[n]) for n in (1, 2))
+    assert len(one) == 8
+    torch.testing.assert_close(two, one, rtol=0, atol=1e-5)
+    rows = [read_metrics(modeled[n])[-1] for n in (1, 2)]
+    assert rows[1]["eval/loss"] == pytest.approx(rows[0]["eval/loss"], abs=1e-5)
+    assert rows[0]["eval/perplexity"] == pytest.approx(math.exp(rows[0]["eval/loss"]))
+
+
+LM_EVAL = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model_dir, eval_file = sys.argv[1:3]
+model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+tokenizer = AutoTokenizer.from_pretrained(model_dir)
+total = count = 0.0
+with torch.no_grad():
+    for row in (json.loads(line) for line in open(eval_file)):
+        ids = tokenizer(row["text"], truncation=True, max_length=64, return_tensors="pt")["input_ids"]
+        if ids.shape[1] > 1:
+            logits = model(input_ids=ids).logits[0, :-1].float()
+            total += torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum").item()
+            count += ids.shape[1] - 1
+print(total / count)
+"""
+
+
+@pytest.mark.slow
+def test_saved_language_model_reproduces_the_eval_loss(modeled, assets):
+    result = run_python("-c", LM_EVAL, str(modeled[2] / "model"), assets["eval"])
+    assert_ok(result)
+    assert float(result.stdout.strip().splitlines()[-1]) == pytest.approx(read_metrics(modeled[2])[-1]["eval/loss"],
+                                                                         rel=1e-5)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_packed_language_model_from_scratch(assets, tmp_path):
+    out = tmp_path / "run"
+    args = language_modeling(assets, "--packing", "true", "--from_scratch", "true", "--config_overrides",
+                             "n_layer=1,n_embd=32,n_head=2", "--max_steps", "4", "--per_device_train_batch_size", "4",
+                             "--global_batch_size", "8", "--output_dir", str(out))  # fmt: skip
+    assert_ok(run_train(*args))
+    rows = read_metrics(out)
+    assert rows[1]["train/tokens_per_s"] == pytest.approx(rows[1]["train/samples_per_s"] * 64)  # full blocks
+    config = json.loads((out / "model" / "config.json").read_text())
+    assert (config["n_layer"], config["n_embd"]) == (1, 32)
+
+
+@pytest.mark.slow
+def test_resumed_text_classification_continues_bit_for_bit(assets, tmp_path):
+    full, out = tmp_path / "full", tmp_path / "run"
+    args = classification(assets, "--max_steps", "10", "--save_steps", "4", "--per_device_train_batch_size", "8",
+                          "--global_batch_size", "16")  # fmt: skip
+    assert_ok(run_train(*args, "--output_dir", str(full)))
+    resume = [*args, "--output_dir", str(out), "--resume_from_checkpoint", "latest"]
+    killed = run_with_hook(tmp_path, resume, "if step == 6: os.kill(os.getpid(), signal.SIGKILL)")
+    assert killed.returncode != 0
+    assert_ok(run_with_hook(tmp_path, resume))
+    assert series(read_metrics(out), "train/loss") == series(read_metrics(full), "train/loss")  # bit for bit
+
+
+def test_offline_hub_model_fails_at_once_with_one_line(monkeypatch):
+    from src.config import parse_config
+    from src.errors import UsageError
+    from src.tasks import build_task
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = parse_config(["--task", "text_classification", "--model_name_or_path", "someone/not-cached-model",
+                           "--data_files", "{train: t.jsonl, eval: e.jsonl}"])  # fmt: skip
+    with pytest.raises(UsageError, match="model 'someone/not-cached-model' is not in the local cache and "
+                                         "HF_HUB_OFFLINE is set; use a local model folder"):  # fmt: skip
+        build_task(config).build_datasets()
+
+
+@pytest.mark.parametrize("flags, message", [
+    ([], "set --model_name_or_path to a local model folder or a Hub name"),
+    (["--model_name_or_path", "no/such/folder"], "no such model folder"),
+    (["--model_name_or_path", "src"], "a folder without config.json"),
+])  # fmt: skip
+def test_bad_model_source_is_one_line(flags, message):
+    from src.config import parse_config
+    from src.errors import UsageError
+    from src.tasks import build_task
+
+    with pytest.raises(UsageError, match=message):
+        build_task(parse_config(["--task", "language_modeling", "--data_files", "{train: t.jsonl, eval: e.jsonl}",
+                                 *flags])).build_datasets()  # fmt: skip
+
+
+def test_push_to_hub_needs_the_hub_and_a_token(monkeypatch):
+    from src.checkpoint import check_hub_push
+    from src.config import TrainConfig
+    from src.errors import UsageError
+
+    check_hub_push(TrainConfig())  # not asked: nothing checked
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UsageError, match="HF_HUB_OFFLINE is set"):
+        check_hub_push(TrainConfig(push_to_hub=True))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("HF_TOKEN", "")
+    monkeypatch.setattr("huggingface_hub.get_token", lambda: None)
+    with pytest.raises(UsageError, match="needs a Hugging Face token"):
+        check_hub_push(TrainConfig(push_to_hub=True))
+
+
+@pytest.mark.slow
+def test_push_to_hub_offline_is_refused_before_training(tmp_path):
+    out = tmp_path / "run"
+    result = run_train(*QUICK, "--output_dir", str(out), "--push_to_hub", "true", "--hub_model_id", "me/digits")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: --push_to_hub needs the Hugging Face Hub but HF_HUB_OFFLINE is set; unset one of them"
+    )
+    assert not out.exists()
+
+
+WITHOUT_TRANSFORMERS = """
+import importlib.abc, sys
+class NotInstalled(importlib.abc.MetaPathFinder):  # as if transformers were not installed
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] == "transformers":
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, NotInstalled())
+from src.errors import command_line
+from train import main
+command_line(main)({args!r})
+"""
+
+
+@pytest.mark.slow
+def test_transformers_is_optional(tmp_path):
+    """Without transformers the digits example trains, and an HF task says how to install it in one line.
+    (With transformers installed, `import evaluate` imports it: that is evaluate's doing, not a requirement.)"""
+    digits = run_python("-c", WITHOUT_TRANSFORMERS.format(args=[*QUICK, "--output_dir", str(tmp_path / "run")]))
+    assert_ok(digits)
+    assert read_metrics(tmp_path / "run")[-1]["eval/num_samples"] == 359
+    args = [
+        "--task",
+        "text_classification",
+        "--model_name_or_path",
+        "x",
+        "--data_files",
+        "{train: a.json, eval: b.json}",
+    ]
+    hf = run_python("-c", WITHOUT_TRANSFORMERS.format(args=args))
+    assert hf.returncode == 2
+    assert hf.stderr.strip().splitlines()[-1] == (
+        "error: the Hugging Face tasks need transformers: pip install -r requirements-hf.txt"
+    )
