@@ -64,11 +64,12 @@ def test_new_project_renames_a_copy_of_the_template(tmp_path):
 
     copy = copy_of_the_repo(tmp_path / "mine")
     old = current_name(copy)
-    assert_ok(run_python("scripts/new_project.py", "my-project", cwd=copy))
-    assert 'name = "my-project"' in (copy / "pyproject.toml").read_text()
-    assert 'project_name: str = "my-project"' in (copy / "src/config.py").read_text()
-    assert (copy / "README.md").read_text().startswith("# my-project")
-    assert old not in (copy / "README.md").read_text()
+    new = f"{old}-fork"  # derived from the current name: this test passes in a renamed project too
+    assert_ok(run_python("scripts/new_project.py", new, cwd=copy))
+    assert f'name = "{new}"' in (copy / "pyproject.toml").read_text()
+    assert f'project_name: str = "{new}"' in (copy / "src/config.py").read_text()
+    assert (copy / "README.md").read_text().startswith(f"# {new}")
+    assert f"# {old}\n" not in (copy / "README.md").read_text()
     assert_ok(run_python("scripts/new_project.py", "other", cwd=copy))  # a renamed project renames again
     assert current_name(copy) == "other"
     assert run_python("scripts/new_project.py", "other", cwd=copy).returncode == 2  # already its name
