@@ -3,6 +3,8 @@ training on 1 and 2 processes with padded variable-length batches, and a model/ 
 
 import json
 import math
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,9 @@ from tests.conftest import (
     QUICK,
     assert_ok,
     assert_processes,
+    free_port,
     read_metrics,
+    run_command,
     run_python,
     run_train,
     run_with_hook,
@@ -270,3 +274,51 @@ def test_transformers_is_optional(tmp_path):
     assert hf.stderr.strip().splitlines()[-1] == (
         "error: the Hugging Face tasks need transformers: pip install -r requirements-hf.txt"
     )
+
+
+@pytest.mark.slow
+def test_readme_hugging_face_commands_run_as_written(tmp_path):
+    """The README's offline path, verbatim, in a copy of the repo: make the tiny models and data, train on 2
+    processes, classify with a pipeline from model/, train the language model."""
+    from scripts.readme_commands import section_commands
+    from tests.test_project import copy_of_the_repo
+
+    copy = copy_of_the_repo(tmp_path / "repo")
+    shims = tmp_path / "bin"  # `python` and `accelerate launch` as the README writes them, from this interpreter
+    shims.mkdir()
+    (shims / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')  # a symlink would lose the venv
+    (shims / "accelerate").write_text(f'#!/bin/sh\nshift\nexec {sys.executable} -m accelerate.commands.launch '
+                                      f'--main_process_port {free_port()} "$@"\n')  # fmt: skip
+    for shim in shims.iterdir():
+        shim.chmod(0o755)
+    commands = section_commands("Hugging Face models")
+    assert len(commands) == 4
+    results = [
+        run_command(["bash", "-c", c], cwd=copy, env={"PATH": f"{shims}:{os.environ['PATH']}"}) for c in commands
+    ]
+    for result in results:
+        assert_ok(result)
+    assert "'label': 'comment'" in results[2].stdout  # the pipeline from model/ reads '# a comment' as one
+    assert_processes(copy / "runs" / "text_classification", 2)
+    classified = read_metrics(copy / "runs" / "text_classification")[-1]
+    modeled = read_metrics(copy / "runs" / "language_modeling")[-1]
+    assert classified["eval/accuracy"] > 0.9, classified
+    assert modeled["eval/loss"] < 0.8 * math.log(2000), modeled  # well below a uniform guess over the vocabulary
+
+
+@pytest.mark.slow
+def test_gradient_checkpointing_and_bf16_with_a_transformers_model(assets, tmp_path):
+    """transformers' own gradient_checkpointing_enable() recomputes and trains the same; bf16 autocast runs."""
+    runs = {}
+    for name, flags in {"plain": [], "checkpointed": ["--gradient_checkpointing", "true"],
+                        "bf16": ["--mixed_precision", "bf16"]}.items():  # fmt: skip
+        out = tmp_path / name
+        args = language_modeling(assets, "--max_steps", "4", "--per_device_train_batch_size", "8",
+                                 "--global_batch_size", "8", "--output_dir", str(out), *flags)  # fmt: skip
+        assert_ok(run_train(*args))
+        runs[name] = out
+    torch.testing.assert_close(losses(runs["checkpointed"]), losses(runs["plain"]), rtol=0, atol=1e-5)
+    bf16 = read_metrics(runs["bf16"])
+    assert bf16[0]["setup/mixed_precision"] == "bf16"
+    assert all(math.isfinite(v) for v in series(bf16, "train/loss").values())
+    assert not torch.equal(losses(runs["bf16"]), losses(runs["plain"]))  # autocast really changed the arithmetic
