@@ -41,6 +41,7 @@ def is_prime(n: int) -> bool:
     return n > 1 and all(n % d for d in range(2, int(n**0.5) + 1))
 
 
+@pytest.mark.slow  # the module fixture builds both models and the data (~10 s)
 def test_models_load_and_forward_a_padded_batch(assets):
     bert, gpt2 = assets / "tiny" / "bert", assets / "tiny" / "gpt2"
     tokenizer = AutoTokenizer.from_pretrained(bert)
@@ -60,6 +61,7 @@ def test_models_load_and_forward_a_padded_batch(assets):
     assert model.config.n_positions == tokenizer.model_max_length == 256
 
 
+@pytest.mark.slow  # the module fixture builds both models and the data (~10 s)
 def test_tokenizers_pad_with_their_pad_id(assets):
     bert = AutoTokenizer.from_pretrained(assets / "tiny" / "bert")
     assert (bert.pad_token, bert.pad_token_id, bert.model_max_length, len(bert)) == ("[PAD]", 0, 128, 2000)
@@ -79,6 +81,7 @@ def test_tokenizers_pad_with_their_pad_id(assets):
     assert gpt2.decode(gpt2(TEXTS[1])["input_ids"]) == TEXTS[1]  # byte-level: every string round-trips
 
 
+@pytest.mark.slow  # the module fixture builds both models and the data (~10 s)
 def test_saved_tokenizers_split_text_as_the_trained_ones(assets):
     """from_pretrained rebuilds a BertTokenizer/GPT2Tokenizer's pipeline from the vocabulary: the saved folder must
     give the ids the trained tokenizer gave, and training again (another process, hash seed) the same ids too."""
@@ -91,6 +94,7 @@ def test_saved_tokenizers_split_text_as_the_trained_ones(assets):
         assert trained(lines)["input_ids"] == saved(lines)["input_ids"], kind
 
 
+@pytest.mark.slow  # the module fixture builds both models and the data (~10 s)
 def test_text_data_is_balanced_and_split_by_file(assets):
     train, evaluation = (read_jsonl(assets / "text" / f"{split}.jsonl") for split in ("train", "eval"))
     assert len(train) == 3000 and len(evaluation) == 401 and is_prime(len(evaluation))
