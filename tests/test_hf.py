@@ -184,6 +184,29 @@ def test_resumed_text_classification_continues_bit_for_bit(assets, tmp_path):
     assert killed.returncode != 0
     assert_ok(run_with_hook(tmp_path, resume))
     assert series(read_metrics(out), "train/loss") == series(read_metrics(full), "train/loss")  # bit for bit
+    exported = out / "checkpoints" / "step_8" / "model"  # every checkpoint also in Hugging Face format
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in exported.iterdir()}
+    load = (
+        "import sys; from transformers import AutoModelForSequenceClassification as A; A.from_pretrained(sys.argv[1])"
+    )
+    assert_ok(run_python("-c", load, str(exported)))
+
+
+@pytest.mark.slow
+def test_text_pairs_are_one_input_with_two_separators(assets):
+    """--text_pair_column: both texts in one input, [SEP] after each (here a line and its file:line id)."""
+    from src.config import parse_config
+    from src.tasks import build_task
+
+    config = parse_config(["--task", "text_classification", "--model_name_or_path", assets["bert"],
+                           "--data_files", assets["data"], "--text_pair_column", "id"])  # fmt: skip
+    task = build_task(config)
+    train, _ = task.build_datasets()
+    sample = train[0]["input_ids"]
+    assert sample.count(task.tokenizer.sep_token_id) == 2 and sample[0] == task.tokenizer.cls_token_id
+    batch = task.collate_fn()([train[0], train[1]])
+    logits = task.build_model()(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    assert logits.shape == (2, 3)
 
 
 def test_offline_hub_model_fails_at_once_with_one_line(monkeypatch):

@@ -53,6 +53,7 @@ class LanguageModeling(Task):
                 raise UsageError(f"--dropout must lie in [0, 1) (got {self.dropout})")
 
     loss_reduction = "sum"
+    export_checkpoints = True  # every checkpoint's model/ loads with from_pretrained
 
     def build_datasets(self):
         require_transformers()

@@ -47,6 +47,7 @@ class TextClassification(Task):
                 raise UsageError(f"--dropout must lie in [0, 1) (got {self.dropout})")
 
     metrics = ["accuracy"]
+    export_checkpoints = True  # every checkpoint's model/ loads with from_pretrained
 
     def build_datasets(self):
         require_transformers()
