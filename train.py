@@ -14,6 +14,7 @@ says what must stay for 1 process and N processes to train the same.
 import logging
 import math
 from dataclasses import replace
+from functools import partial
 from itertools import islice
 
 import torch
@@ -121,6 +122,7 @@ def train(config: TrainConfig) -> dict:
     progress = progress_bar(accelerator, total_steps, initial=step)
     profiler = step_profiler(config, accelerator)
     profiler.start()
+    export = partial(task.save_model, accelerator, model) if task.export_checkpoints else None  # e.g. HF format
     model.train()
     # SIGTERM/SIGUSR1 -> checkpoint (handlers restored however we leave); an error in the task's code -> one line
     with PreemptionSignals(accelerator) as preemption, task_errors(task):
@@ -172,7 +174,7 @@ def train(config: TrainConfig) -> dict:
                 state.step, state.preempted = step, preempted
                 state.loss_window, state.window_first_step = losses.state(), losses.first_step  # NaN check too
                 with timer.paused():
-                    saved = save_checkpoint(accelerator, config, state)
+                    saved = save_checkpoint(accelerator, config, state, export)
                 if preempted:
                     raise TrainingPreempted(f"checkpoint {saved} saved; run the same command to resume")
             if step >= total_steps:

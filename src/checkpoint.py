@@ -173,8 +173,9 @@ def remove_incomplete_checkpoints(output_dir: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def save_checkpoint(accelerator, config: TrainConfig, state: TrainerState) -> Path:
+def save_checkpoint(accelerator, config: TrainConfig, state: TrainerState, export=None) -> Path:
     """All processes call this (DeepSpeed and FSDP save shards from every rank); it returns once the rename is done.
+    `export(directory)`, if given, also writes the model in the task's own format into the checkpoint's model/.
 
     A failed write (disk full, quota) on any process is agreed on by all, the partial folder is removed, and the
     run stops with an error: the previous checkpoints were never touched.
@@ -189,6 +190,8 @@ def save_checkpoint(accelerator, config: TrainConfig, state: TrainerState) -> Pa
     failure = None
     try:
         accelerator.save_state(str(partial))
+        if export is not None:
+            export(partial / MODEL_DIR)
         if accelerator.is_main_process:
             (partial / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
             save_config(config, partial / CONFIG_FILE)

@@ -53,28 +53,41 @@ def losses(output_dir) -> torch.Tensor:
     return torch.tensor(list(series(read_metrics(output_dir), "train/loss").values()))
 
 
+def train_on_1_and_2_processes(tmp_path_factory, name: str, args: dict[int, list[str]]) -> dict:
+    """{processes: output_dir} of one run per process count, each checked to have run on that many."""
+    runs = {}
+    for processes, flags in args.items():
+        runs[processes] = tmp_path_factory.mktemp(f"{name}{processes}") / "run"
+        assert_ok(run_train(*flags, "--output_dir", str(runs[processes]), processes=processes))
+        assert_processes(runs[processes], processes)
+    return runs
+
+
+def assert_same_training(runs: dict, steps: int) -> list[dict]:
+    """Per-step train loss and final eval loss equal (1e-5) on 1 and 2 processes; returns the final eval rows."""
+    one, two = (losses(runs[n]) for n in (1, 2))
+    assert len(one) == steps
+    torch.testing.assert_close(two, one, rtol=0, atol=1e-5)
+    final = [read_metrics(runs[n])[-1] for n in (1, 2)]
+    assert final[1]["eval/loss"] == pytest.approx(final[0]["eval/loss"], abs=1e-5)
+    return final
+
+
 @pytest.fixture(scope="module")
 def classified(assets, tmp_path_factory) -> dict:
     """1 process (8 x 4 accumulated) and 2 processes (8 x 2 each) at the same global batch of 32: padded batches."""
-    runs = {}
-    for processes in (1, 2):
-        out = tmp_path_factory.mktemp(f"tc{processes}") / "run"
-        args = classification(assets, "--max_steps", "12", "--per_device_train_batch_size", "8",
-                               "--global_batch_size", "32", "--output_dir", str(out))  # fmt: skip
-        assert_ok(run_train(*args, processes=processes))
-        assert_processes(out, processes)
-        runs[processes] = out
-    return runs
+    args = classification(assets, "--max_steps", "12", "--global_batch_size", "32")
+    return train_on_1_and_2_processes(
+        tmp_path_factory,
+        "tc",
+        {1: [*args, "--per_device_train_batch_size", "8"], 2: [*args, "--per_device_train_batch_size", "8"]},
+    )
 
 
 @pytest.mark.slow
 def test_text_classification_trains_the_same_on_1_and_2_processes(classified):
-    one, two = (losses(classified[n]) for n in (1, 2))
-    assert len(one) == 12
-    torch.testing.assert_close(two, one, rtol=0, atol=1e-5)
-    final = [read_metrics(classified[n])[-1] for n in (1, 2)]
+    final = assert_same_training(classified, steps=12)
     assert final[0]["eval/accuracy"] == final[1]["eval/accuracy"] and final[0]["eval/num_samples"] > 0
-    assert final[1]["eval/loss"] == pytest.approx(final[0]["eval/loss"], abs=1e-5)
 
 
 PREDICT = """
@@ -113,25 +126,18 @@ def test_saved_model_loads_with_from_pretrained_and_reproduces_the_eval_accuracy
 def modeled(assets, tmp_path_factory) -> dict:
     """Padded texts: 1 process with one batch of 16 vs 2 processes with 4 x 2 each. Per-micro-batch means would
     differ (each micro-batch has its own token count); the tokens of the global batch normalise both the same."""
-    runs = {}
-    for processes, per_device in ((1, "16"), (2, "4")):
-        out = tmp_path_factory.mktemp(f"lm{processes}") / "run"
-        args = language_modeling(assets, "--max_steps", "8", "--per_device_train_batch_size", per_device,
-                                 "--global_batch_size", "16", "--output_dir", str(out))  # fmt: skip
-        assert_ok(run_train(*args, processes=processes))
-        assert_processes(out, processes)
-        runs[processes] = out
-    return runs
+    args = language_modeling(assets, "--max_steps", "8", "--global_batch_size", "16")
+    return train_on_1_and_2_processes(
+        tmp_path_factory,
+        "lm",
+        {1: [*args, "--per_device_train_batch_size", "16"], 2: [*args, "--per_device_train_batch_size", "4"]},
+    )
 
 
 @pytest.mark.slow
 def test_language_modeling_normalises_by_the_global_token_count(modeled):
-    one, two = (losses(modeled[n]) for n in (1, 2))
-    assert len(one) == 8
-    torch.testing.assert_close(two, one, rtol=0, atol=1e-5)
-    rows = [read_metrics(modeled[n])[-1] for n in (1, 2)]
-    assert rows[1]["eval/loss"] == pytest.approx(rows[0]["eval/loss"], abs=1e-5)
-    assert rows[0]["eval/perplexity"] == pytest.approx(math.exp(rows[0]["eval/loss"]))
+    final = assert_same_training(modeled, steps=8)
+    assert final[0]["eval/perplexity"] == pytest.approx(math.exp(final[0]["eval/loss"]))
 
 
 LM_EVAL = """
@@ -184,6 +190,29 @@ def test_resumed_text_classification_continues_bit_for_bit(assets, tmp_path):
     assert killed.returncode != 0
     assert_ok(run_with_hook(tmp_path, resume))
     assert series(read_metrics(out), "train/loss") == series(read_metrics(full), "train/loss")  # bit for bit
+    exported = out / "checkpoints" / "step_8" / "model"  # every checkpoint also in Hugging Face format
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in exported.iterdir()}
+    load = (
+        "import sys; from transformers import AutoModelForSequenceClassification as A; A.from_pretrained(sys.argv[1])"
+    )
+    assert_ok(run_python("-c", load, str(exported)))
+
+
+@pytest.mark.slow
+def test_text_pairs_are_one_input_with_two_separators(assets):
+    """--text_pair_column: both texts in one input, [SEP] after each (here a line and its file:line id)."""
+    from src.config import parse_config
+    from src.tasks import build_task
+
+    config = parse_config(["--task", "text_classification", "--model_name_or_path", assets["bert"],
+                           "--data_files", assets["data"], "--text_pair_column", "id"])  # fmt: skip
+    task = build_task(config)
+    train, _ = task.build_datasets()
+    sample = train[0]["input_ids"]
+    assert sample.count(task.tokenizer.sep_token_id) == 2 and sample[0] == task.tokenizer.cls_token_id
+    batch = task.collate_fn()([train[0], train[1]])
+    logits = task.build_model()(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    assert logits.shape == (2, 3)
 
 
 def test_offline_hub_model_fails_at_once_with_one_line(monkeypatch):

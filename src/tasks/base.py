@@ -52,6 +52,7 @@ class Task:
     # and the loop divides by the terms of the whole global batch (all micro-batches, all processes), so padded
     # batches of different lengths train the same on 1 and N processes.
     loss_reduction: ClassVar[str] = "mean"
+    export_checkpoints: ClassVar[bool] = False  # True: save_model() also into every checkpoint (step_<N>/model/)
     default_data_files: ClassVar[dict[str, str] | None] = None  # used when neither data_files nor dataset_name is set
 
     def __init__(self, config: TrainConfig, options=None):

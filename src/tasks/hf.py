@@ -7,8 +7,33 @@ offline), tokenising once on the main process first, and saving the result with 
 from contextlib import contextmanager
 from pathlib import Path
 
-from src.data import check_hub_repo
+from src.data import check_columns, check_hub_repo, load_splits
 from src.errors import UsageError
+from src.tasks.base import Task
+
+
+class HuggingFaceTask(Task):
+    """A transformers model and its tokenizer: what text_classification and language_modeling share. Its Options
+    have `model_name_or_path`, `tokenizer_name`, `config_overrides` and `dropout`."""
+
+    export_checkpoints = True  # every checkpoint's model/ loads with from_pretrained too
+
+    def load_text_splits(self, columns: list[str], flags: str):
+        """The model source checked, the tokenizer loaded (self.tokenizer), the (train, eval) splits with `columns`."""
+        require_transformers()
+        self.model_path = check_model_source(self.options.model_name_or_path)
+        self.tokenizer = load_tokenizer(self.options.tokenizer_name or self.model_path)
+        splits = load_splits(self.config)
+        train, evals = splits[self.config.train_split], splits[self.config.eval_split]
+        for split in (train, evals):
+            check_columns(split, columns, flags)
+        return train, evals
+
+    def model_config(self, **settings):
+        return load_config(self.model_path, self.options.config_overrides, self.options.dropout, **settings)
+
+    def save_model(self, accelerator, model, directory: Path) -> None:
+        save_pretrained(accelerator, model, self.tokenizer, directory)
 
 
 def require_transformers():

@@ -19,22 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from src.data import check_columns, load_splits
 from src.errors import UsageError
-from src.tasks.base import Task
-from src.tasks.hf import (
-    check_model_source,
-    load_config,
-    load_tokenizer,
-    main_process_first,
-    require_transformers,
-    save_pretrained,
-)
+from src.tasks.hf import HuggingFaceTask, main_process_first
 
 IGNORE = -100  # labels the loss skips: padding
 
 
-class LanguageModeling(Task):
+class LanguageModeling(HuggingFaceTask):
     @dataclass
     class Options:
         model_name_or_path: str | None = None  # a local model folder or a Hub name (gpt2); its config and tokenizer
@@ -55,17 +46,10 @@ class LanguageModeling(Task):
     loss_reduction = "sum"
 
     def build_datasets(self):
-        require_transformers()
-        options = self.options
-        self.model_path = check_model_source(options.model_name_or_path)
-        self.tokenizer = load_tokenizer(options.tokenizer_name or self.model_path)
+        train, evals = self.load_text_splits([self.options.text_column], "--text_column")
         if self.tokenizer.pad_token is None:  # GPT-2 has none; padded positions are masked out of the loss anyway
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.block_size = options.block_size or min(self.tokenizer.model_max_length, 1024)
-        splits = load_splits(self.config)
-        train, evals = splits[self.config.train_split], splits[self.config.eval_split]
-        for split in (train, evals):
-            check_columns(split, [options.text_column], "--text_column")
+        self.block_size = self.options.block_size or min(self.tokenizer.model_max_length, 1024)
         with main_process_first():
             return self.tokenize(train), self.tokenize(evals)
 
@@ -95,7 +79,7 @@ class LanguageModeling(Task):
     def build_model(self) -> nn.Module:
         from transformers import AutoModelForCausalLM
 
-        config = load_config(self.model_path, self.options.config_overrides, self.options.dropout)
+        config = self.model_config()
         if self.options.from_scratch:
             return AutoModelForCausalLM.from_config(config)
         return AutoModelForCausalLM.from_pretrained(self.model_path, config=config)
@@ -124,6 +108,3 @@ class LanguageModeling(Task):
 
     def tokens_per_sample(self) -> int | None:
         return self.block_size if self.options.packing else None
-
-    def save_model(self, accelerator, model: nn.Module, directory) -> None:
-        save_pretrained(accelerator, model, self.tokenizer, directory)

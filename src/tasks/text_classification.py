@@ -15,20 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from src.data import check_columns, load_splits
 from src.errors import UsageError
-from src.tasks.base import Task
-from src.tasks.hf import (
-    check_model_source,
-    load_config,
-    load_tokenizer,
-    main_process_first,
-    require_transformers,
-    save_pretrained,
-)
+from src.tasks.hf import HuggingFaceTask, main_process_first
 
 
-class TextClassification(Task):
+class TextClassification(HuggingFaceTask):
     @dataclass
     class Options:
         model_name_or_path: str | None = None  # a local model folder or a Hub name (bert-base-uncased)
@@ -49,17 +40,9 @@ class TextClassification(Task):
     metrics = ["accuracy"]
 
     def build_datasets(self):
-        require_transformers()
         options = self.options
-        self.model_path = check_model_source(options.model_name_or_path)
-        self.tokenizer = load_tokenizer(options.tokenizer_name or self.model_path)
-        splits = load_splits(self.config)
-        train, evals = splits[self.config.train_split], splits[self.config.eval_split]
-        columns = [options.text_column, options.label_column] + (
-            [options.text_pair_column] * bool(options.text_pair_column)
-        )
-        for split in (train, evals):
-            check_columns(split, columns, "--text_column / --text_pair_column / --label_column")
+        columns = [options.text_column, options.label_column, *filter(None, [options.text_pair_column])]
+        train, evals = self.load_text_splits(columns, "--text_column / --text_pair_column / --label_column")
         self.labels = sorted(set(train[options.label_column]))  # ids in sorted order: the same on every process
         unknown = set(evals[options.label_column]) - set(self.labels)
         if unknown:
@@ -86,9 +69,8 @@ class TextClassification(Task):
         from transformers import AutoModelForSequenceClassification
 
         id2label = {i: str(label) for i, label in enumerate(self.labels)}
-        config = load_config(self.model_path, self.options.config_overrides, self.options.dropout,
-                             num_labels=len(self.labels), id2label=id2label,
-                             label2id={name: i for i, name in id2label.items()})  # fmt: skip
+        label2id = {name: i for i, name in id2label.items()}
+        config = self.model_config(num_labels=len(self.labels), id2label=id2label, label2id=label2id)
         return AutoModelForSequenceClassification.from_pretrained(self.model_path, config=config)
 
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
@@ -103,6 +85,3 @@ class TextClassification(Task):
             "predictions": logits.argmax(dim=-1),
             "references": labels,
         }
-
-    def save_model(self, accelerator, model: nn.Module, directory) -> None:
-        save_pretrained(accelerator, model, self.tokenizer, directory)
