@@ -15,7 +15,7 @@ import logging
 import math
 from dataclasses import replace
 from functools import partial
-from itertools import islice
+from itertools import islice, repeat
 
 import torch
 
@@ -209,13 +209,13 @@ def train_batches(accelerator, task, train_loader, start_step: int, steps_per_ep
         batches = islice(accelerator.skip_first_batches(train_loader, seen) if seen else train_loader,
                          (steps_per_epoch - steps_done) * accumulation)  # fmt: skip
         if task.loss_reduction == "mean":
-            yield from ((batch, None) for batch in batches)
+            yield from zip(batches, repeat(None))  # C-level pairing: no Python frame per batch
         else:
             while window := list(islice(batches, accumulation)):  # the window's micro-batches, read ahead
                 counted = torch.as_tensor(sum(task.count_items(batch) for batch in window), device=accelerator.device)
                 items = accelerator.reduce(counted.float(), reduction="sum")
                 scale = accelerator.num_processes * accumulation / items.clamp_min(1)
-                yield from ((batch, scale) for batch in window)
+                yield from zip(window, repeat(scale))
         epoch, steps_done = epoch + 1, 0
 
 
