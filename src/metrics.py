@@ -1,6 +1,6 @@
 """Evaluation metrics as `evaluate` modules. Names resolve to the local modules in src/evaluate_metrics/ first.
 
-Every process computes the metric on the SAME gathered predictions (see `evaluate_model` in train.py), so
+Every process computes the metric on the SAME gathered predictions (see `evaluate` in train.py), so
 all processes agree on the result: no "4 accuracies on 4 GPUs".
 """
 

@@ -140,6 +140,31 @@ def test_language_modeling_normalises_by_the_global_token_count(modeled):
     assert final[0]["eval/perplexity"] == pytest.approx(math.exp(final[0]["eval/loss"]))
 
 
+PER_MICRO_BATCH_MEAN = """
+from src.tasks.language_modeling import LanguageModeling
+def mean_loss(self, model, batch):
+    losses, counted = self.token_losses(model, batch)
+    return losses.sum() / counted.sum()
+LanguageModeling.loss_reduction, LanguageModeling.loss = "mean", mean_loss
+"""
+
+
+@pytest.mark.slow
+def test_per_micro_batch_means_would_train_differently(assets, modeled, tmp_path):
+    """The control for the test above: the same two runs with each micro-batch's own token mean drift apart."""
+    runs = {}
+    for processes, per_device in ((1, "16"), (2, "4")):
+        runs[processes] = tmp_path / f"p{processes}"
+        args = language_modeling(assets, "--max_steps", "8", "--global_batch_size", "16",
+                                 "--per_device_train_batch_size", per_device,
+                                 "--output_dir", str(runs[processes]))  # fmt: skip
+        assert_ok(run_with_hook(tmp_path, args, extra=PER_MICRO_BATCH_MEAN, processes=processes))
+        assert_processes(runs[processes], processes)
+    one, two = losses(runs[1]), losses(runs[2])
+    assert (two - one).abs().max() > 1e-3, (one, two)
+    torch.testing.assert_close(one, losses(modeled[1]), rtol=0, atol=1e-5)  # one batch of 16: mean is the mean
+
+
 LM_EVAL = """
 import json, sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer

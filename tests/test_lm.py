@@ -43,7 +43,7 @@ def test_lm_yaml_loss_falls_by_30_percent(out):
     assert series(rows, "eval/loss")[200] < 0.6 * math.log(256)  # well below a uniform guess over the bytes
 
 
-# 30 steps of configs/lm.yaml, evaluated on 127 blocks at the end; lm.yaml's model (the LMArgs defaults)
+# 30 steps of configs/lm.yaml, evaluated on 127 blocks at the end; lm.yaml's model (the CausalLM.Options defaults)
 SAME_RUN = ["--max_steps", "30", "--logging_steps", "1", "--eval_steps", "1000", "--max_eval_tokens", "16384"]
 
 
