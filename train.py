@@ -126,7 +126,8 @@ def train(config: TrainConfig) -> dict:
     model.train()
     # SIGTERM/SIGUSR1 -> checkpoint (handlers restored however we leave); an error in the task's code -> one line
     with PreemptionSignals(accelerator) as preemption, task_errors(task):
-        for batch, scale in train_batches(accelerator, task, train_loader, step, steps_per_epoch):
+        batches = train_batches(accelerator, task, train_loader, step, steps_per_epoch) if step < total_steps else []
+        for batch, scale in batches:  # none when resuming a run that has finished: it evaluates and saves again
             with optimizer.accumulate(model):  # accelerator.accumulate: gradients sync on the window's last batch
                 loss = task.loss(model, batch) if scale is None else task.loss(model, batch) * scale  # summed losses
                 optimizer.backward(loss)
@@ -213,7 +214,7 @@ def train_batches(accelerator, task, train_loader, start_step: int, steps_per_ep
         else:
             while window := list(islice(batches, accumulation)):  # the window's micro-batches, read ahead
                 counted = torch.as_tensor(sum(task.count_items(batch) for batch in window), device=accelerator.device)
-                items = accelerator.reduce(counted.float(), reduction="sum")
+                items = accelerator.reduce(counted.long(), reduction="sum").float()  # exact integer sum first
                 scale = accelerator.num_processes * accumulation / items.clamp_min(1)
                 yield from zip(window, repeat(scale))
         epoch, steps_done = epoch + 1, 0

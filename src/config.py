@@ -41,7 +41,7 @@ class TrainConfig:
     hub_model_id: str | None = None  # the Hub repository, user/name; None: the output_dir's folder name
 
     # --- what to train (src/tasks/) ---
-    task: str = "digits"  # digits, tabular, causal_lm, or a module path like my_package.my_task; its options are flags
+    task: str = "digits"  # digits, tabular, causal_lm, text_classification, language_modeling, or my_package.my_task
     task_args: dict = field(default_factory=dict)  # in Python: the task's options (on the command line: --option value)
 
     # --- data (src/data.py) ---

@@ -144,3 +144,16 @@ def test_resume_with_other_global_batch_is_refused(tmp_path):
     assert result.returncode == 2
     assert "global batch of 64, this run has 128" in result.stderr.strip().splitlines()[-1]
     assert (out / "metrics.jsonl").read_text() == before
+
+
+@pytest.mark.slow
+def test_resuming_a_finished_run_trains_no_further(tmp_path):
+    """`--resume_from_checkpoint latest` on a run that has finished: no step past the last, the same losses."""
+    out = tmp_path / "run"
+    args = ["--max_steps", "6", "--logging_steps", "2", "--eval_steps", "1000", "--output_dir", str(out),
+            "--resume_from_checkpoint", "latest"]  # fmt: skip
+    assert_ok(run_command([*launch_command(1), *args]))
+    before = series(read_metrics(out), "train/loss")
+    assert_ok(run_command([*launch_command(1), *args]))
+    rows = read_metrics(out)
+    assert max(row["step"] for row in rows) == 6 and series(rows, "train/loss") == before

@@ -376,3 +376,15 @@ def test_gradient_checkpointing_and_bf16_with_a_transformers_model(assets, tmp_p
     assert bf16[0]["setup/mixed_precision"] == "bf16"
     assert all(math.isfinite(v) for v in series(bf16, "train/loss").values())
     assert not torch.equal(losses(runs["bf16"]), losses(runs["plain"]))  # autocast really changed the arithmetic
+
+
+def test_language_model_labels_ignore_padding_not_the_end_of_text_token():
+    """GPT-2 pads with its end-of-text token: the labels must keep its real occurrences and drop only the padding."""
+    from src.tasks.language_modeling import IGNORE, pad_and_label
+
+    def pad(samples):  # what DataCollatorWithPadding returns, with pad id 0 = end of text
+        return {"input_ids": torch.tensor([[5, 0, 7, 0], [8, 9, 0, 0]]),
+                "attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0]])}  # fmt: skip
+
+    labels = pad_and_label(pad, [])["labels"]
+    assert labels.tolist() == [[5, 0, 7, IGNORE], [8, 9, 0, IGNORE]]

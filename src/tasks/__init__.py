@@ -1,6 +1,7 @@
 """Tasks: what is trained, selected by `--task`. The contract is the `Task` class in src/tasks/base.py.
 
 --task digits | tabular | causal_lm           the built-in tasks (this folder)
+--task text_classification | language_modeling    Hugging Face transformers models (requirements-hf.txt)
 --task my_package.my_task                     a module defining one Task subclass
 --task my_package.my_task.MyTask              or the class itself
 """
@@ -47,7 +48,7 @@ def import_module(path: str):
     try:
         return importlib.import_module(path)
     except ModuleNotFoundError as err:
-        if err.name and path.startswith(err.name):
+        if err.name and (path == err.name or path.startswith(err.name + ".")):
             return None
         raise
 
@@ -65,4 +66,6 @@ def build_task(config) -> Task:
     from src.config import parse_task_options
 
     cls = task_class(config.task)
+    if cls.loss_reduction not in ("mean", "sum"):
+        raise UsageError(f"{cls.__name__}.loss_reduction must be 'mean' or 'sum' (got {cls.loss_reduction!r})")
     return cls(config, parse_task_options(cls, config.task_args))

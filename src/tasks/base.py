@@ -104,7 +104,8 @@ class Task:
         return None
 
     def save_model(self, accelerator, model: nn.Module, directory: Path) -> None:
-        """The final model, called on every process (FSDP and DeepSpeed gather shards from all of them).
+        """The final model (and, with export_checkpoints, each checkpoint's), called on every process (FSDP and
+        DeepSpeed gather shards from all of them).
         Default: `model.safetensors`; a Hugging Face task would call `save_pretrained` here."""
         accelerator.save_model(model, directory, safe_serialization=True)
 
@@ -116,12 +117,14 @@ def task_errors(task: Task):
     try:
         yield
     except Exception as err:
+        import torch.distributed as dist
         from accelerate.utils.memory import should_reduce_batch_size
 
         from src.errors import RunStopped, TaskFailed, describe
 
-        if isinstance(err, RunStopped) or should_reduce_batch_size(err):
-            raise
+        not_the_task = (RunStopped, OSError, *([dist.DistError] if hasattr(dist, "DistError") else []))
+        if isinstance(err, not_the_task) or should_reduce_batch_size(err):
+            raise  # a full disk, a lost peer, out of memory (which --auto_find_batch_size handles)
         frame = next((f for f, _ in walk_tb(err.__traceback__) if is_task_method(task, f)), None)
         if frame is None:
             raise

@@ -101,7 +101,6 @@ def save_pretrained(accelerator, model, tokenizer, directory: Path) -> None:
     unwrapped.save_pretrained(
         directory,
         is_main_process=accelerator.is_main_process,
-        save_function=accelerator.save,
         state_dict=accelerator.get_state_dict(model),
     )
     if accelerator.is_main_process:

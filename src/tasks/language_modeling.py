@@ -13,6 +13,7 @@ batch. Either way the loss is summed over the tokens and divided by the tokens o
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from itertools import chain
 
 import torch
@@ -23,6 +24,15 @@ from src.errors import UsageError
 from src.tasks.hf import HuggingFaceTask, main_process_first
 
 IGNORE = -100  # labels the loss skips: padding
+
+
+def pad_and_label(pad, samples: list[dict]) -> dict:
+    """Pad to the batch's longest sample; the labels are the inputs with the padding ignored. (Not by pad token id:
+    GPT-2 pads with its end-of-text token, whose real occurrences must still be learned.)"""
+    batch = pad(samples)
+    mask = batch.get("attention_mask")
+    batch["labels"] = batch["input_ids"] if mask is None else batch["input_ids"].masked_fill(mask == 0, IGNORE)
+    return batch
 
 
 class LanguageModeling(HuggingFaceTask):
@@ -49,7 +59,13 @@ class LanguageModeling(HuggingFaceTask):
         train, evals = self.load_text_splits([self.options.text_column], "--text_column")
         if self.tokenizer.pad_token is None:  # GPT-2 has none; padded positions are masked out of the loss anyway
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.block_size = self.options.block_size or min(self.tokenizer.model_max_length, 1024)
+        positions = self.model_config().to_dict()
+        limit = min(self.tokenizer.model_max_length, positions.get("n_positions") or
+                    positions.get("max_position_embeddings") or 1024)  # fmt: skip
+        if self.options.block_size and self.options.block_size > limit:
+            raise UsageError(f"--block_size {self.options.block_size} exceeds what the model and tokenizer take "
+                             f"({limit} positions); use --block_size {limit} or less")  # fmt: skip
+        self.block_size = self.options.block_size or min(limit, 1024)
         with main_process_first():
             return self.tokenize(train), self.tokenize(evals)
 
@@ -72,9 +88,9 @@ class LanguageModeling(HuggingFaceTask):
         return blocks
 
     def collate_fn(self):
-        from transformers import DataCollatorForLanguageModeling
+        from transformers import DataCollatorWithPadding
 
-        return DataCollatorForLanguageModeling(self.tokenizer, mlm=False, return_tensors="pt")  # labels -100 on pads
+        return partial(pad_and_label, DataCollatorWithPadding(self.tokenizer, return_tensors="pt"))
 
     def build_model(self) -> nn.Module:
         from transformers import AutoModelForCausalLM
@@ -93,7 +109,7 @@ class LanguageModeling(HuggingFaceTask):
         return losses.view_as(targets), targets != IGNORE
 
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
-        losses, counted = self.token_losses(model, batch)
+        losses, _ = self.token_losses(model, batch)
         return losses.sum()  # summed: the loop divides by the global batch's count_items
 
     def count_items(self, batch) -> torch.Tensor:
