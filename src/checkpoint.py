@@ -134,7 +134,9 @@ def check_hub_push(config: TrainConfig) -> None:
         return
     from huggingface_hub import get_token
 
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", ""):
+    from src.data import hub_offline
+
+    if hub_offline():
         raise UsageError("--push_to_hub needs the Hugging Face Hub but HF_HUB_OFFLINE is set; unset one of them")
     if get_token() is None:
         raise UsageError("--push_to_hub needs a Hugging Face token: `hf auth login`, or set HF_TOKEN")

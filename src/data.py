@@ -78,7 +78,7 @@ def check_hub_repo(name: str, kind: str, flag: str, instead: str) -> None:
 
     if is_cached(name, kind):
         return
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", ""):
+    if hub_offline():
         raise UsageError(f"{kind} {name!r} is not in the local cache and HF_HUB_OFFLINE is set; {instead}")
     try:
         getattr(HfApi(), f"{kind}_info")(name, timeout=10)
@@ -89,6 +89,11 @@ def check_hub_repo(name: str, kind: str, flag: str, instead: str) -> None:
             f"cannot reach the Hugging Face Hub for {kind} {name!r} ({type(err).__name__}); "
             f"{instead}, or a cached copy with HF_HUB_OFFLINE=1"
         ) from err
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE as set now (huggingface_hub's own constant is read once, at its import)."""
+    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "")
 
 
 def is_cached(name: str, kind: str = "dataset") -> bool:

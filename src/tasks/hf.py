@@ -36,6 +36,12 @@ class HuggingFaceTask(Task):
         save_pretrained(accelerator, model, self.tokenizer, directory)
 
 
+def check_dropout(dropout: float | None) -> None:
+    """The `dropout` option of the Hugging Face tasks: None (the model's own) or a probability."""
+    if dropout is not None and not 0 <= dropout < 1:
+        raise UsageError(f"--dropout must lie in [0, 1) (got {dropout})")
+
+
 def require_transformers():
     try:
         import transformers

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from src.errors import UsageError
-from src.tasks.hf import HuggingFaceTask, main_process_first
+from src.tasks.hf import HuggingFaceTask, check_dropout, main_process_first
 
 IGNORE = -100  # labels the loss skips: padding
 
@@ -50,8 +50,7 @@ class LanguageModeling(HuggingFaceTask):
         def __post_init__(self):
             if self.block_size is not None and self.block_size < 2:
                 raise UsageError(f"--block_size must be >= 2 (got {self.block_size})")
-            if self.dropout is not None and not 0 <= self.dropout < 1:
-                raise UsageError(f"--dropout must lie in [0, 1) (got {self.dropout})")
+            check_dropout(self.dropout)
 
     loss_reduction = "sum"
 
@@ -59,7 +58,8 @@ class LanguageModeling(HuggingFaceTask):
         train, evals = self.load_text_splits([self.options.text_column], "--text_column")
         if self.tokenizer.pad_token is None:  # GPT-2 has none; padded positions are masked out of the loss anyway
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        positions = self.model_config().to_dict()
+        self.transformers_config = self.model_config()  # read once: build_model uses it too
+        positions = self.transformers_config.to_dict()
         limit = min(self.tokenizer.model_max_length, positions.get("n_positions") or
                     positions.get("max_position_embeddings") or 1024)  # fmt: skip
         if self.options.block_size and self.options.block_size > limit:
@@ -95,10 +95,9 @@ class LanguageModeling(HuggingFaceTask):
     def build_model(self) -> nn.Module:
         from transformers import AutoModelForCausalLM
 
-        config = self.model_config()
         if self.options.from_scratch:
-            return AutoModelForCausalLM.from_config(config)
-        return AutoModelForCausalLM.from_pretrained(self.model_path, config=config)
+            return AutoModelForCausalLM.from_config(self.transformers_config)
+        return AutoModelForCausalLM.from_pretrained(self.model_path, config=self.transformers_config)
 
     def token_losses(self, model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(batch, time - 1) next-token losses and the mask of the tokens that count (not padding)."""

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from src.errors import UsageError
-from src.tasks.hf import HuggingFaceTask, main_process_first
+from src.tasks.hf import HuggingFaceTask, check_dropout, main_process_first
 
 
 class TextClassification(HuggingFaceTask):
@@ -34,8 +34,7 @@ class TextClassification(HuggingFaceTask):
         def __post_init__(self):
             if self.max_length <= 0:
                 raise UsageError(f"--max_length must be > 0 (got {self.max_length})")
-            if self.dropout is not None and not 0 <= self.dropout < 1:
-                raise UsageError(f"--dropout must lie in [0, 1) (got {self.dropout})")
+            check_dropout(self.dropout)
 
     metrics = ["accuracy"]
 
