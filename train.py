@@ -3,6 +3,7 @@
     python train.py                                          # one process
     accelerate launch --config_file accelerate_configs/ddp.yaml train.py --config configs/default.yaml
     python -c "from train import main; main(['--max_steps', '50'])"   # from Python or a notebook
+    python train.py --do_train false --do_predict true       # evaluate runs/digits/model, write predictions.jsonl
 
 The story, top to bottom: config -> accelerator -> task (data, model, metric) -> train loop (log, evaluate) -> save.
 What is trained is a task (src/tasks/: one class with its data, model, loss and metrics); the machinery around the
@@ -11,28 +12,35 @@ checkpoint.py, errors.py. Nothing here asks which process it runs on. Edit this 
 says what must stay for 1 process and N processes to train the same.
 """
 
+import json
 import logging
 import math
 from dataclasses import replace
 from functools import partial
 from itertools import islice, repeat
+from pathlib import Path
 
 import torch
 
 from src.checkpoint import (
+    EVAL_RESULTS_FILE,
     METRICS_FILE,
+    PREDICTIONS_FILE,
+    BestModel,
     PreemptionSignals,
     TrainerState,
     check_hub_push,
+    checkpoint_dir,
     find_resume_checkpoint,
     load_checkpoint,
     prepare_output_dir,
     push_to_hub,
     save_checkpoint,
     save_final_model,
+    write_atomically,
 )
 from src.config import TrainConfig, parse_config, resolve
-from src.data import build_dataloaders, check_first_batch, check_split_sizes
+from src.data import build_dataloaders, build_eval_loader, check_first_batch, check_split_sizes, has_split
 from src.distributed import DirectOptimizer, build_accelerator, enable_gradient_checkpointing, sync_batchnorm
 from src.errors import TrainingPreempted, command_line
 from src.meters import LossWindow, StepTimer, peak_memory_gb, step_profiler, throughput_metrics
@@ -48,6 +56,8 @@ logger = logging.getLogger("train")
 def main(args: list[str] | TrainConfig | None = None) -> dict:
     """Train and evaluate; returns the final eval metrics. `args`: CLI flags, a TrainConfig, or None (sys.argv)."""
     config = resolve(args) if isinstance(args, TrainConfig) else parse_config(args)
+    if not config.do_train:
+        return evaluate_saved_model(config)
     if not config.auto_find_batch_size:
         return train(config)
     from accelerate.utils import find_executable_batch_size
@@ -84,12 +94,14 @@ def train(config: TrainConfig) -> dict:
     train_loader, eval_loader = build_dataloaders(*task.build_datasets(), config, task.collate_fn())
     check_split_sizes(train_loader, eval_loader, global_batch, accelerator.num_processes)
     check_first_batch(train_loader, task)
-    model = sync_batchnorm(task.build_model(), accelerator)
+    test_loader = build_test_loader(task, config)  # None when the data has no test split
+    model = task.load_model(config.model_name_or_path) if config.model_name_or_path else task.build_model()
+    model = sync_batchnorm(model, accelerator)
     if config.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     metric = load_metrics(task.metrics if config.metrics is None else config.metrics)
-    model, optimizer, train_loader, eval_loader = accelerator.prepare(
-        model, build_optimizer(model, config), train_loader, eval_loader
+    model, optimizer, train_loader, eval_loader, test_loader = accelerator.prepare(
+        model, build_optimizer(model, config), train_loader, eval_loader, test_loader
     )
     optimizer = DirectOptimizer(accelerator, model, optimizer)  # backward / clip / step without wrapper overhead
 
@@ -119,6 +131,8 @@ def train(config: TrainConfig) -> dict:
     timer = StepTimer(step)
     throughput = throughput_metrics(task, accelerator)  # tokens/s and MFU for tasks that count tokens
     early_stopping = EarlyStopping(config, state)
+    best_model = BestModel(config, state)  # metric_for_best_model: a new best is checkpointed and kept
+    final_metrics = {}
     progress = progress_bar(accelerator, total_steps, initial=step)
     profiler = step_profiler(config, accelerator)
     profiler.start()
@@ -163,15 +177,17 @@ def train(config: TrainConfig) -> dict:
                 }, step)  # fmt: skip
                 progress.set_postfix(loss=f"{train_loss:.4f}", samples_per_s=f"{global_batch / step_time:.0f}")
                 timer.restart(step)
-            if step % config.eval_steps == 0 and step != total_steps:
+            new_best = False
+            if config.do_eval and (step % config.eval_steps == 0 or step == total_steps):
                 with timer.paused():
-                    eval_metrics = evaluate(task, model, eval_loader, metric, accelerator)
-                    log_metrics(accelerator, eval_metrics, step)
+                    final_metrics = evaluate(task, model, eval_loader, metric, accelerator)
+                    log_metrics(accelerator, final_metrics, step)
                 # the metrics are gathered from all processes, so every process gets the same answer
-                if early_stopping.should_stop(eval_metrics, step):
-                    total_steps = step  # finish here: the final checkpoint, evaluation and model follow
+                new_best = best_model.improved(final_metrics, step)
+                if early_stopping.should_stop(final_metrics, step):
+                    total_steps = step  # finish here: the final checkpoint and model follow
             preempted = preemption.requested(step)
-            if preempted or step == total_steps or (config.save_steps and step % config.save_steps == 0):
+            if preempted or new_best or step == total_steps or (config.save_steps and step % config.save_steps == 0):
                 state.step, state.preempted = step, preempted
                 state.loss_window, state.window_first_step = losses.state(), losses.first_step  # NaN check too
                 with timer.paused():
@@ -183,14 +199,67 @@ def train(config: TrainConfig) -> dict:
         progress.close()
         profiler.stop()
 
-        # --- final evaluation and model (a signal now changes nothing: the run is finishing) ---
-        final_metrics = evaluate(task, model, eval_loader, metric, accelerator)
-        log_metrics(accelerator, final_metrics, step)
+        # --- the final model: the best one if asked; test split, predictions (a signal now changes nothing) ---
+        if config.do_eval and not final_metrics:  # a finished run resumed: nothing trained, evaluate again
+            final_metrics = evaluate(task, model, eval_loader, metric, accelerator)
+            log_metrics(accelerator, final_metrics, step)
+        if config.load_best_model_at_end and state.best_model_step not in (None, step):
+            accelerator.load_state(str(checkpoint_dir(output_dir, state.best_model_step)))
+            final_metrics = evaluate(task, model, eval_loader, metric, accelerator)  # equal to the best's: a check
+            log_metrics(accelerator, best_model.summary(), step)
+        final_metrics = finish(accelerator, config, task, model, metric, final_metrics, eval_loader, test_loader, step)
         model_dir = save_final_model(accelerator, task, model, output_dir)
         push_to_hub(accelerator, config, model_dir)
         logger.info("model saved to %s; metrics in %s", model_dir, output_dir / METRICS_FILE)
     accelerator.end_training()
     return final_metrics
+
+
+def evaluate_saved_model(config: TrainConfig) -> dict:
+    """`--do_train false`: evaluate and/or predict with a saved model (--model_name_or_path, by default the run's
+    model/). Reads only the splits it uses; writes only eval_results.json and predictions.jsonl."""
+    accelerator = build_accelerator(config)  # no trackers: the results go to eval_results.json
+    setup_logging(accelerator)
+    task = build_task(config)
+    eval_loader = None
+    if config.do_eval or (config.do_predict and not has_split(config, config.test_split)):
+        eval_set = task.build_eval_dataset(config.eval_split, labelled=config.do_eval)
+        eval_loader = build_eval_loader(eval_set, config, task.collate_fn(), config.max_eval_samples)
+    test_loader = build_test_loader(task, config)
+    model = task.load_model(config.model_name_or_path)
+    metric = load_metrics(task.metrics if config.metrics is None else config.metrics)
+    model, eval_loader, test_loader = accelerator.prepare(model, eval_loader, test_loader)
+    logger.info("evaluating %s", config.model_name_or_path)
+    with task_errors(task):
+        metrics = evaluate(task, model, eval_loader, metric, accelerator) if config.do_eval else {}
+        log_metrics(accelerator, metrics, step=0)
+        return finish(accelerator, config, task, model, metric, metrics, eval_loader, test_loader, step=0)
+
+
+def build_test_loader(task, config: TrainConfig):
+    """The test split when the data has one (labelled if it is evaluated, not if it is only predicted), else None."""
+    if not ((config.do_eval or config.do_predict) and has_split(config, config.test_split)):
+        return None
+    dataset = task.build_eval_dataset(config.test_split, labelled=config.do_eval)
+    return build_eval_loader(dataset, config, task.collate_fn(), config.max_predict_samples)
+
+
+def finish(accelerator, config: TrainConfig, task, model, metric, metrics: dict, eval_loader, test_loader, step):
+    """After training, or instead of it: the test split's metrics, eval_results.json and, with --do_predict,
+    predictions.jsonl for the test split (the eval split if there is none). Returns all the metrics."""
+    output_dir = Path(config.output_dir)
+    if config.do_eval and test_loader is not None:
+        test_metrics = evaluate(task, model, test_loader, metric, accelerator, prefix="test")
+        log_metrics(accelerator, test_metrics, step)
+        metrics = {**metrics, **test_metrics}
+    if metrics:
+        write_atomically(accelerator, output_dir / EVAL_RESULTS_FILE, json.dumps(metrics, indent=2) + "\n")
+    if config.do_predict:
+        split = config.test_split if test_loader is not None else config.eval_split
+        rows = with_ids(predictions(task, model, test_loader or eval_loader, accelerator), config, split)
+        write_atomically(accelerator, output_dir / PREDICTIONS_FILE, "".join(json.dumps(r) + "\n" for r in rows))
+        logger.info("%d predictions of the %s split written to %s", len(rows), split, output_dir / PREDICTIONS_FILE)
+    return metrics
 
 
 def train_batches(accelerator, task, train_loader, start_step: int, steps_per_epoch: int):
@@ -225,8 +294,8 @@ def is_finite(grad_norm: torch.Tensor | None) -> bool:
 
 
 @torch.no_grad()
-def evaluate(task, model, eval_loader, metric, accelerator) -> dict:
-    """Exact metrics over the whole eval split: every process gathers all outputs, the padding dropped."""
+def evaluate(task, model, eval_loader, metric, accelerator, prefix: str = "eval") -> dict:
+    """Exact metrics over the whole split: every process gathers all outputs, the padding dropped."""
     model.eval()
     loss_sum = torch.zeros((), device=accelerator.device)
     weight_sum = torch.zeros((), device=accelerator.device)
@@ -245,7 +314,30 @@ def evaluate(task, model, eval_loader, metric, accelerator) -> dict:
     if metric is not None:
         scores |= {f"eval/{name}": value for name, value in metric.compute().items()}
     scores |= task.derived_metrics(scores)
-    return {**scores, "eval/num_samples": num_samples}
+    scores = {**scores, "eval/num_samples": num_samples}
+    return {f"{prefix}/{key.removeprefix('eval/')}": value for key, value in scores.items()}
+
+
+@torch.no_grad()
+def predictions(task, model, loader, accelerator) -> list[dict]:
+    """task.predict() over every sample once, in input order, on any process count (gather_for_metrics drops the
+    samples that pad uneven shards). Every process returns all rows."""
+    model.eval()
+    outputs = [accelerator.gather_for_metrics(task.predict(model, batch)) for batch in loader]
+    model.train()
+    gathered = {name: torch.cat([batch[name] for batch in outputs]).cpu() for name in outputs[0]} if outputs else {}
+    return task.prediction_rows(gathered)
+
+
+def with_ids(rows: list[dict], config: TrainConfig, split: str) -> list[dict]:
+    """Each row with the input's `id_column` first, when the split has one and a row per input row."""
+    from src.data import load_splits
+
+    data = load_splits(config, [split])[split]
+    if config.id_column not in data.column_names or len(rows) > len(data):
+        return rows
+    ids = data[config.id_column][: len(rows)]
+    return [{config.id_column: id_, **row} for id_, row in zip(ids, rows, strict=True)]
 
 
 if __name__ == "__main__":

@@ -28,7 +28,9 @@ CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS_DIR = "checkpoints"
 MODEL_DIR = "model"
-RUN_ARTIFACTS = (METRICS_FILE, CONFIG_FILE, CHECKPOINTS_DIR, MODEL_DIR, "wandb")
+EVAL_RESULTS_FILE = "eval_results.json"  # the final eval (and test) metrics, also of a run without training
+PREDICTIONS_FILE = "predictions.jsonl"  # --do_predict: one row per sample of the predicted split, in input order
+RUN_ARTIFACTS = (METRICS_FILE, CONFIG_FILE, CHECKPOINTS_DIR, MODEL_DIR, EVAL_RESULTS_FILE, PREDICTIONS_FILE, "wandb")
 STATE_FILE = "trainer_state.json"
 TMP_PREFIX = ".tmp_"
 
@@ -46,6 +48,8 @@ class TrainerState:
     preempted: bool = False  # saved because of SIGTERM/SIGUSR1: scripts/slurm requeue the job on it
     best_metric: float | None = None  # early stopping
     evals_without_improvement: int = 0
+    best_model_step: int | None = None  # metric_for_best_model: the step of the best evaluation so far ...
+    best_model_metric: float | None = None  # ... and its value
 
 
 # --- the run directory ---
@@ -128,6 +132,64 @@ def save_final_model(accelerator, task, model, output_dir: Path) -> Path:
     return model_dir
 
 
+def write_atomically(accelerator, path: Path, text: str) -> None:
+    """Main process: the whole file or none of it (a kill mid-write leaves the previous one)."""
+    if accelerator.is_main_process:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(TMP_PREFIX + path.name)
+        partial.write_text(text)
+        os.replace(partial, path)
+    accelerator.wait_for_everyone()
+
+
+def load_weights(model, path: str) -> None:
+    """The weights in a saved model folder (model.safetensors, or shards with an index) or a checkpoint, into
+    `model`; every parameter must be there with its shape (a different --model or size is one clear line)."""
+    from accelerate.utils import load_checkpoint_in_model
+
+    folder = saved_model_dir(path)
+    try:
+        load_checkpoint_in_model(model, str(folder), strict=True)
+    except (ValueError, RuntimeError, OSError) as err:
+        message = " ".join(str(err).split())[:300]
+        raise UsageError(f"--model_name_or_path {path} does not hold weights for this model "
+                         f"(same --task and options as when it was trained?): {message}") from err  # fmt: skip
+
+
+def saved_model_dir(path: str) -> Path:
+    """A run's model/ folder as given; a run's output_dir -> its model/; a checkpoint -> its exported model/ if any."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise UsageError(f"--model_name_or_path {path}: no such folder (a run's model/ or checkpoints/step_<N>/)")
+    if (folder / MODEL_DIR).is_dir() and ((folder / STATE_FILE).is_file() or (folder / CONFIG_FILE).is_file()):
+        return folder / MODEL_DIR
+    return folder
+
+
+class BestModel:
+    """`metric_for_best_model`: the best evaluation so far, its step and value kept in the trainer state (so a
+    resumed run continues them). A new best is checkpointed, and rotation never removes that checkpoint."""
+
+    def __init__(self, config: TrainConfig, state: TrainerState):
+        self.metric, self.greater_is_better, self.state = config.metric_for_best_model, config.greater_is_better, state
+
+    def improved(self, metrics: dict, step: int) -> bool:
+        """Every process sees the same gathered metrics, so every process agrees without a collective."""
+        if not self.metric:
+            return False
+        if self.metric not in metrics:
+            raise UsageError(f"--metric_for_best_model {self.metric} is not logged; use one of {', '.join(metrics)}")
+        value, best = metrics[self.metric], self.state.best_model_metric
+        if best is not None and not (value > best if self.greater_is_better else value < best):
+            return False
+        self.state.best_model_step, self.state.best_model_metric = step, value
+        return True
+
+    def summary(self) -> dict:
+        state = self.state
+        return {"best_model/step": state.best_model_step, f"best_model/{self.metric}": state.best_model_metric}
+
+
 def check_hub_push(config: TrainConfig) -> None:
     """--push_to_hub: offline or without a token, say so before training rather than after it."""
     if not config.push_to_hub:
@@ -162,6 +224,10 @@ def checkpoint_step(path: Path) -> int:
     return int(path.name.removeprefix("step_"))
 
 
+def checkpoint_dir(output_dir: Path, step: int) -> Path:
+    return Path(output_dir) / CHECKPOINTS_DIR / f"step_{step}"
+
+
 def complete_checkpoints(output_dir: Path) -> list[Path]:
     """Oldest first. Only folders with a trainer state count: the rename happens after everything is written."""
     root = output_dir / CHECKPOINTS_DIR
@@ -182,8 +248,8 @@ def save_checkpoint(accelerator, config: TrainConfig, state: TrainerState, expor
     A failed write (disk full, quota) on any process is agreed on by all, the partial folder is removed, and the
     run stops with an error: the previous checkpoints were never touched.
     """
-    root = Path(config.output_dir) / CHECKPOINTS_DIR
-    final = root / f"step_{state.step}"
+    final = checkpoint_dir(config.output_dir, state.step)
+    root = final.parent
     partial = root / f"{TMP_PREFIX}step_{state.step}"
     if accelerator.is_main_process:
         shutil.rmtree(partial, ignore_errors=True)
@@ -211,7 +277,7 @@ def save_checkpoint(accelerator, config: TrainConfig, state: TrainerState, expor
         if final.exists():  # re-saving a step (e.g. a resumed run that stops where it started)
             shutil.rmtree(final)
         os.replace(partial, final)  # atomic on one file system: the checkpoint appears whole or not at all
-        rotate_checkpoints(root.parent, config.save_total_limit)
+        rotate_checkpoints(root.parent, config.save_total_limit, keep_step=state.best_model_step)
     accelerator.wait_for_everyone()
     return final
 
@@ -223,10 +289,12 @@ def all_processes_agree(accelerator, ok: bool) -> bool:
     return bool(accelerator.reduce(flag, reduction="sum").item() == accelerator.num_processes)
 
 
-def rotate_checkpoints(output_dir: Path, keep: int | None) -> None:
+def rotate_checkpoints(output_dir: Path, keep: int | None, keep_step: int | None = None) -> None:
+    """The newest `keep` checkpoints stay, and the best model's (`keep_step`) whatever its age."""
     if keep:
         for old in complete_checkpoints(output_dir)[:-keep]:
-            shutil.rmtree(old)
+            if checkpoint_step(old) != keep_step:
+                shutil.rmtree(old)
 
 
 def load_checkpoint(accelerator, path: Path, global_batch: int) -> TrainerState:

@@ -39,10 +39,14 @@ class TrainConfig:
     debug: bool = False  # full tracebacks instead of one-line errors
     push_to_hub: bool = False  # upload model/ to the Hugging Face Hub at the end (checked before training starts)
     hub_model_id: str | None = None  # the Hub repository, user/name; None: the output_dir's folder name
+    do_train: bool = True  # false: evaluate and/or predict with a saved model (--model_name_or_path), nothing else
+    do_eval: bool = True  # evaluate on the eval split (every eval_steps and at the end) and on the test split
+    do_predict: bool = False  # write output_dir/predictions.jsonl for the test split (the eval split if none)
 
     # --- what to train (src/tasks/) ---
     task: str = "digits"  # digits, tabular, causal_lm, text_classification, language_modeling, or my_package.my_task
     task_args: dict = field(default_factory=dict)  # in Python: the task's options (on the command line: --option value)
+    model_name_or_path: str | None = None  # weights to start from or evaluate: a run's model/, a checkpoint, Hub model
 
     # --- data (src/data.py) ---
     dataset_name: str | None = None  # a Hugging Face Hub dataset; None means the local data_files below
@@ -50,10 +54,13 @@ class TrainConfig:
     data_files: dict[str, str] | None = None  # split -> a .parquet, .csv, .json or .jsonl file; None: the task's
     train_split: str = "train"  # split names in the data
     eval_split: str = "eval"
+    test_split: str = "test"  # evaluated at the end (test/ metrics) and predicted, when the data has it
     dataloader_num_workers: int = 0  # worker processes per data loader
     dataloader_drop_last: bool = True  # full batches only: the same samples per step on 1 or N processes
     max_train_samples: int | None = None  # train on the first N samples only (debugging, overfitting one batch)
     max_eval_samples: int | None = None  # evaluate on the first N samples only
+    max_predict_samples: int | None = None  # test and predict on the first N samples of the test split only
+    id_column: str = "id"  # copied into each row of predictions.jsonl when the predicted split has it
 
     # --- optimisation ---
     num_train_epochs: float = 10  # passes over the train split (fractions allowed)
@@ -81,6 +88,9 @@ class TrainConfig:
     save_steps: int = 100  # a checkpoint every N optimiser steps, and one at the end; 0: only at the end
     save_total_limit: int | None = 2  # keep the newest N checkpoints; None keeps all
     resume_from_checkpoint: str | None = None  # "latest" (or a fresh start if there is none) or a checkpoint path
+    metric_for_best_model: str | None = None  # e.g. eval/accuracy: a new best is checkpointed and never rotated away
+    greater_is_better: bool | None = None  # None: false for a loss or perplexity, true otherwise
+    load_best_model_at_end: bool = False  # at the end, model/ holds the best checkpoint's weights
     early_stopping_patience: int | None = None  # stop after N evaluations without improvement
     early_stopping_metric: str = "eval/loss"  # any logged eval key
     early_stopping_mode: Literal["min", "max"] = "min"  # whether lower or higher is better
@@ -115,15 +125,32 @@ class TrainConfig:
             if getattr(self, name) < 0
         ]
         for name in ("global_batch_size", "save_total_limit", "max_train_samples", "max_eval_samples",
-                     "early_stopping_patience"):  # fmt: skip
+                     "max_predict_samples", "early_stopping_patience"):  # fmt: skip
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 problems.append(f"--{name} must be > 0 or null (got {getattr(self, name)})")
         if self.max_steps == 0 or self.max_steps < -1:
             problems.append(f"--max_steps must be > 0, or -1 to train for num_train_epochs (got {self.max_steps})")
         if self.auto_find_batch_size and self.global_batch_size is None:
             problems.append("--auto_find_batch_size needs --global_batch_size, so the optimiser's batch stays the same")
+        problems += self.check_phases()
         if problems:
             raise UsageError("; ".join(problems))
+
+    def check_phases(self) -> list[str]:
+        """do_train / do_eval / do_predict and the best-model settings that depend on them."""
+        if not (self.do_train or self.do_eval or self.do_predict):
+            return ["--do_train, --do_eval and --do_predict are all false: nothing to do"]
+        if self.load_best_model_at_end and self.metric_for_best_model is None:
+            self.metric_for_best_model = "eval/loss"  # as in transformers
+        if self.metric_for_best_model and not self.metric_for_best_model.startswith("eval/"):
+            self.metric_for_best_model = f"eval/{self.metric_for_best_model}"  # "accuracy", as transformers names it
+        if self.metric_for_best_model and self.greater_is_better is None:
+            self.greater_is_better = not self.metric_for_best_model.endswith(("loss", "perplexity"))
+        needs_eval = [name for name in ("metric_for_best_model", "load_best_model_at_end", "early_stopping_patience")
+                      if getattr(self, name)]  # fmt: skip
+        if needs_eval and not (self.do_train and self.do_eval):
+            return [f"--{needs_eval[0]} needs evaluations during training: set --do_train true --do_eval true"]
+        return []
 
     def to_dict(self) -> dict:
         """Flat, as on the command line and in config.yaml: the task's options beside the run's fields."""
@@ -281,7 +308,10 @@ def resolve(config: TrainConfig) -> TrainConfig:
         if not data_files:
             raise UsageError(f"no data for --task {config.task}: set --data_files (local files) or --dataset_name")
     output_dir = config.output_dir or f"runs/{task_name(config.task)}"
-    return dataclasses.replace(config, task_args=options, data_files=data_files, output_dir=output_dir)
+    model = config.model_name_or_path or (None if config.do_train else f"{output_dir}/model")  # the run's own model
+    return dataclasses.replace(
+        config, task_args=options, data_files=data_files, output_dir=output_dir, model_name_or_path=model
+    )
 
 
 def field_help(cls) -> dict[str, str]:

@@ -16,32 +16,49 @@ from src.errors import TaskFailed, UsageError, describe
 FILE_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".jsonl": "json"}
 
 
-def load_splits(config: TrainConfig):
-    """Return a `datasets.DatasetDict` holding at least the train and eval splits named in the config."""
+def load_splits(config: TrainConfig, names: list[str] | None = None):
+    """A `datasets.DatasetDict` holding the splits `names` (default: train and eval) of the data the config names.
+    Local files of other splits are not read: an evaluation without training never touches the train split."""
     import datasets
 
     datasets.disable_progress_bars()
+    names = names or [config.train_split, config.eval_split]
     if config.dataset_name:
         splits = load_hub_dataset(config)
     else:
-        builder = file_builder(config.data_files)
+        files = {split: path for split, path in config.data_files.items() if split in names}
+        missing = [name for name in names if name not in files]
+        if missing:
+            raise UsageError(f"--data_files has no {missing[0]!r} split (it has {', '.join(config.data_files)}); "
+                             f"add one or set {split_flag(config, missing[0])}")  # fmt: skip
+        builder = file_builder(files)
         try:
-            splits = datasets.load_dataset(builder, data_files=config.data_files)
+            splits = datasets.load_dataset(builder, data_files=files)
         except datasets.exceptions.DatasetGenerationError as err:
             cause = " ".join(str(err.__cause__ or err).split())
             raise UsageError(f"could not read the {builder} data files ({cause}); check --data_files") from err
-    for split in (config.train_split, config.eval_split):
+    for split in names:
         if split not in splits:
-            raise UsageError(
-                f"the data has no split {split!r} (it has {', '.join(splits)}); set --{split_flag(config, split)}"
-            )
+            raise UsageError(f"the data has no split {split!r} (it has {', '.join(splits)}); "
+                             f"set {split_flag(config, split)}")  # fmt: skip
         if len(splits[split]) == 0:
             raise UsageError(f"the {split!r} split is empty; point --data_files or --dataset_name at data with rows")
     return splits
 
 
+def has_split(config: TrainConfig, name: str) -> bool:
+    """Whether the data holds split `name` (the optional test split)."""
+    if config.dataset_name:
+        return name in load_hub_dataset(config)
+    return name in config.data_files
+
+
 def split_flag(config: TrainConfig, split: str) -> str:
-    return "train_split" if split == config.train_split else "eval_split"
+    if split == config.train_split:
+        return "--train_split"
+    if split == config.eval_split:
+        return "--eval_split (or --do_eval false)" if not config.do_train else "--eval_split"
+    return "--test_split"
 
 
 def file_builder(data_files: dict[str, str]) -> str:
@@ -114,8 +131,6 @@ def check_columns(split, wanted: list[str], flags: str) -> None:
 def build_dataloaders(train_set: Dataset, eval_set: Dataset, config: TrainConfig, collate_fn=None):
     if config.max_train_samples:
         train_set = Subset(train_set, range(min(config.max_train_samples, len(train_set))))
-    if config.max_eval_samples:
-        eval_set = Subset(eval_set, range(min(config.max_eval_samples, len(eval_set))))
     train_loader = DataLoader(
         train_set,
         batch_size=config.per_device_train_batch_size,
@@ -124,13 +139,19 @@ def build_dataloaders(train_set: Dataset, eval_set: Dataset, config: TrainConfig
         num_workers=config.dataloader_num_workers,
         collate_fn=collate_fn,
     )
-    eval_loader = DataLoader(
-        eval_set,
+    return train_loader, build_eval_loader(eval_set, config, collate_fn, config.max_eval_samples)
+
+
+def build_eval_loader(dataset: Dataset, config: TrainConfig, collate_fn=None, max_samples: int | None = None):
+    """In order, every sample once: after `prepare`, `gather_for_metrics` drops the padding of uneven shards."""
+    if max_samples:
+        dataset = Subset(dataset, range(min(max_samples, len(dataset))))
+    return DataLoader(
+        dataset,
         batch_size=config.per_device_eval_batch_size,
         num_workers=config.dataloader_num_workers,
         collate_fn=collate_fn,
     )
-    return train_loader, eval_loader
 
 
 def check_first_batch(loader: DataLoader, task) -> None:

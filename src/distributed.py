@@ -44,7 +44,7 @@ def check_launch(use_cpu: bool) -> None:
                               "`pip install deepspeed`, or use accelerate_configs/fsdp.yaml")  # fmt: skip
 
 
-def build_accelerator(config: TrainConfig, log_with: list):
+def build_accelerator(config: TrainConfig, log_with: list | None = None):
     from accelerate import Accelerator, DataLoaderConfiguration, PartialState
     from accelerate.utils import GradientAccumulationPlugin
 
@@ -57,7 +57,7 @@ def build_accelerator(config: TrainConfig, log_with: list):
             f"the launcher started {launched} processes but they formed a group of {state.num_processes}; "
             "launch with `accelerate launch --config_file accelerate_configs/ddp.yaml` or `torchrun`"
         )
-    accumulation = resolve_global_batch(config, state.num_processes)
+    accumulation = resolve_global_batch(config, state.num_processes) if config.do_train else 1
     options = {"mixed_precision": config.mixed_precision} if config.mixed_precision else {}
     if config.torch_compile:
         options["dynamo_backend"] = "inductor"

@@ -11,6 +11,8 @@
         def build_model(self): ...          # an nn.Module (a plain network: src/models/)
         def loss(self, model, batch): ...   # a scalar: the batch's mean loss
         def eval_outputs(self, model, batch): ...   # per-sample tensors, see below
+        def build_eval_dataset(self, split, labelled): ...   # may: one split without the train split (eval-only, test)
+        def predict(self, model, batch): ...        # may: per-sample tensors for predictions.jsonl
 
 A task is built once per run, so it can keep state (a tokenizer, the number of features) on `self`.
 `ClassificationTask` (src/tasks/classification.py) fills in the loss and eval outputs for `(inputs, labels)`
@@ -86,6 +88,32 @@ class Task:
     def count_items(self, batch) -> torch.Tensor:
         """With loss_reduction "sum": how many terms loss() summed over (e.g. the tokens with a label)."""
         raise NotImplementedError(f"{type(self).__name__} has loss_reduction 'sum' and must implement count_items()")
+
+    def build_eval_dataset(self, split: str, labelled: bool = True) -> Dataset:
+        """One split (the test split, or the eval split when not training) built without reading the train split.
+        `labelled` False: for predictions only, so the split may lack labels."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement build_eval_dataset() to evaluate without training or on a test split"
+        )
+
+    def load_model(self, path: str) -> nn.Module:
+        """`--model_name_or_path`: build_model() with the weights save_model() wrote (a run's model/ folder) or a
+        checkpoint holds (checkpoints/step_<N>/). Hugging Face tasks load with from_pretrained in build_model."""
+        from src.checkpoint import load_weights
+
+        model = self.build_model()
+        load_weights(model, path)
+        return model
+
+    def predict(self, model: nn.Module, batch) -> dict[str, torch.Tensor]:
+        """Per-sample tensors (first dimension = the batch) for predictions.jsonl, gathered across processes in input
+        order, each sample once. ClassificationTask gives "prediction" (the class) and "probabilities"."""
+        raise NotImplementedError(f"{type(self).__name__} must implement predict() for --do_predict")
+
+    def prediction_rows(self, outputs: dict[str, torch.Tensor]) -> list[dict]:
+        """The gathered predict() outputs -> one JSON-ready row per sample (e.g. a class id -> its label name)."""
+        columns = {name: values.tolist() for name, values in outputs.items()}
+        return [dict(zip(columns, values, strict=True)) for values in zip(*columns.values(), strict=True)]
 
     def collate_fn(self):
         """How samples become a batch (None: torch's default_collate), e.g. DataCollatorWithPadding(tokenizer)."""

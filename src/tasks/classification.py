@@ -27,6 +27,10 @@ class ClassificationTask(Task):
             "references": labels,
         }
 
+    def predict(self, model: nn.Module, batch) -> dict[str, torch.Tensor]:
+        probabilities = model(batch[0]).float().softmax(dim=-1)  # batch[0]: the inputs, with or without labels
+        return {"prediction": probabilities.argmax(dim=-1), "probabilities": probabilities}
+
 
 def check_labels(labels: torch.Tensor, num_labels: int, split: str) -> None:
     if len(labels) and (labels.min() < 0 or labels.max() >= num_labels):

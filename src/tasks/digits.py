@@ -32,12 +32,18 @@ class Digits(ClassificationTask):
         splits = load_splits(self.config)
         return self.to_tensors(splits, self.config.train_split), self.to_tensors(splits, self.config.eval_split)
 
-    def to_tensors(self, splits, name: str) -> TensorDataset:
-        """One split -> (inputs, labels): 64 pixel values 0..16 -> 1x8x8 floats in [0, 1]."""
+    def build_eval_dataset(self, split: str, labelled: bool = True) -> TensorDataset:
+        return self.to_tensors(load_splits(self.config, [split]), split, labelled)
+
+    def to_tensors(self, splits, name: str, labelled: bool = True) -> TensorDataset:
+        """One split -> (inputs, labels), or (inputs,) unlabelled: 64 pixel values 0..16 -> 1x8x8 floats in [0, 1]."""
         split, options = splits[name], self.options
-        check_columns(split, [options.input_column, options.label_column], "--input_column / --label_column")
-        columns = split.with_format("torch", columns=[options.input_column, options.label_column])[:]
+        wanted = [options.input_column, *([options.label_column] if labelled else [])]
+        check_columns(split, wanted, "--input_column / --label_column")
+        columns = split.with_format("torch", columns=wanted)[:]
         inputs = columns[options.input_column].float().div(16.0).view(-1, 1, 8, 8)
+        if not labelled:
+            return TensorDataset(inputs)
         labels = columns[options.label_column].long()
         check_labels(labels, options.num_labels, name)
         return TensorDataset(inputs, labels)
