@@ -29,8 +29,8 @@ def load_splits(config: TrainConfig, names: list[str] | None = None):
         files = {split: path for split, path in config.data_files.items() if split in names}
         missing = [name for name in names if name not in files]
         if missing:
-            raise UsageError(f"--data_files has no {missing[0]!r} split (it has {', '.join(config.data_files)}); "
-                             f"add one or set {split_flag(config, missing[0])}")  # fmt: skip
+            raise UsageError(f"the data has no split {missing[0]!r} (it has {', '.join(config.data_files)}); "
+                             f"add it to --data_files or set {split_flag(config, missing[0])}")  # fmt: skip
         builder = file_builder(files)
         try:
             splits = datasets.load_dataset(builder, data_files=files)

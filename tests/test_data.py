@@ -71,7 +71,8 @@ def test_data_loaders_batch_the_files(tmp_path):
 
 def test_csv_with_other_column_names(tmp_path):
     """A table through --task tabular: named feature columns (in another order than the file's), another label
-    column, a text column that is not a feature. The CSV gives the same tensors as the same table in Parquet."""
+    column, a text column that is not a feature. The CSV gives the same tensors as the same table in Parquet, and
+    the model standardises them with the train split's statistics (its buffers: saved with it)."""
     table = pd.DataFrame({
         "length": [1.0, 2.5, 4.0, 5.5, 7.0, 8.5],
         "note": ["a", "b", "c", "d", "e", "f"],
@@ -87,7 +88,11 @@ def test_csv_with_other_column_names(tmp_path):
         loaded[fmt] = [dataset.tensors for dataset in datasets_for(files, "tabular", options)]
     (train_x, train_y), (eval_x, eval_y) = loaded["csv"]
     raw = torch.tensor(table[["width", "length"]].to_numpy().copy(), dtype=torch.float32)
-    torch.testing.assert_close(eval_x, (raw - raw.mean(dim=0)) / raw.std(dim=0), rtol=0, atol=1e-6)
+    torch.testing.assert_close(eval_x, raw, rtol=0, atol=0)
+    task = build_task(resolve(config_for(files, options, task="tabular")))
+    task.build_datasets()
+    standardize = task.build_model()[0]
+    torch.testing.assert_close(standardize(raw), (raw - raw.mean(dim=0)) / raw.std(dim=0), rtol=0, atol=1e-6)
     assert eval_y.tolist() == train_y.tolist() == [0, 1, 2, 0, 1, 2]
     for (csv_x, csv_y), (parquet_x, parquet_y) in zip(loaded["csv"], loaded["parquet"], strict=True):
         assert torch.equal(csv_x, parquet_x) and torch.equal(csv_y, parquet_y)

@@ -92,6 +92,10 @@ class CausalLM(Task):
             self.to_blocks(splits[self.config.eval_split], self.options.max_eval_tokens),
         )
 
+    def build_eval_dataset(self, split: str, labelled: bool = True) -> TokenBlocks:
+        self.check_data_present()
+        return self.to_blocks(load_splits(self.config, [split])[split], self.options.max_eval_tokens)
+
     def check_data_present(self) -> None:
         """The likely slip before any data is read: data/stdlib not built yet."""
         if self.config.dataset_name:

@@ -7,27 +7,34 @@ offline), tokenising once on the main process first, and saving the result with 
 from contextlib import contextmanager
 from pathlib import Path
 
+from src.checkpoint import saved_model_dir
 from src.data import check_columns, check_hub_repo, load_splits
 from src.errors import UsageError
 from src.tasks.base import Task
 
 
 class HuggingFaceTask(Task):
-    """A transformers model and its tokenizer: what text_classification and language_modeling share. Its Options
-    have `model_name_or_path`, `tokenizer_name`, `config_overrides` and `dropout`."""
+    """A transformers model and its tokenizer: what text_classification and language_modeling share. The model is
+    `--model_name_or_path` (a run's field: a folder, a checkpoint or a Hub name); the Options have `tokenizer_name`,
+    `config_overrides` and `dropout`."""
 
     export_checkpoints = True  # every checkpoint's model/ loads with from_pretrained too
 
-    def load_text_splits(self, columns: list[str], flags: str):
-        """The model source checked, the tokenizer loaded (self.tokenizer), the (train, eval) splits with `columns`."""
+    def load_text_splits(self, columns: list[str], flags: str, names: list[str] | None = None) -> list:
+        """The model source checked, the tokenizer loaded (self.tokenizer), then the splits `names` (default:
+        train and eval), each checked for `columns`."""
         require_transformers()
-        self.model_path = check_model_source(self.options.model_name_or_path)
+        self.model_path = check_model_source(self.config.model_name_or_path)
         self.tokenizer = load_tokenizer(self.options.tokenizer_name or self.model_path)
-        splits = load_splits(self.config)
-        train, evals = splits[self.config.train_split], splits[self.config.eval_split]
-        for split in (train, evals):
-            check_columns(split, columns, flags)
-        return train, evals
+        names = names or [self.config.train_split, self.config.eval_split]
+        splits = load_splits(self.config, names)
+        for name in names:
+            check_columns(splits[name], columns, flags)
+        return [splits[name] for name in names]
+
+    def load_model(self, path: str):
+        """from_pretrained already loaded --model_name_or_path in build_model()."""
+        return self.build_model()
 
     def model_config(self, **settings):
         return load_config(self.model_path, self.options.config_overrides, self.options.dropout, **settings)
@@ -56,6 +63,7 @@ def check_model_source(name: str | None, flag: str = "--model_name_or_path") -> 
     if not name:
         raise UsageError(f"set {flag} to a local model folder or a Hub name (e.g. bert-base-uncased)")
     if Path(name).is_dir():
+        name = str(saved_model_dir(name))  # a run's output_dir or checkpoint: its exported model/
         if not (Path(name) / "config.json").is_file():
             raise UsageError(f"{flag} {name} is a folder without config.json: not a saved transformers model")
         return name

@@ -38,7 +38,6 @@ def pad_and_label(pad, samples: list[dict]) -> dict:
 class LanguageModeling(HuggingFaceTask):
     @dataclass
     class Options:
-        model_name_or_path: str | None = None  # a local model folder or a Hub name (gpt2); its config and tokenizer
         tokenizer_name: str | None = None  # None: the model's
         from_scratch: bool = False  # a new model from the config (and config_overrides), not the saved weights
         config_overrides: str | None = None  # applied to the config, e.g. "n_layer=2,n_embd=64,n_head=2"
@@ -56,9 +55,21 @@ class LanguageModeling(HuggingFaceTask):
 
     def build_datasets(self):
         train, evals = self.load_text_splits([self.options.text_column], "--text_column")
+        self.set_block_size()
+        with main_process_first():
+            return self.tokenize(train), self.tokenize(evals)
+
+    def build_eval_dataset(self, split: str, labelled: bool = True):
+        (data,) = self.load_text_splits([self.options.text_column], "--text_column", [split])
+        self.set_block_size()
+        with main_process_first():
+            return self.tokenize(data)
+
+    def set_block_size(self) -> None:
+        """The tokenizer's padding, the model's config (read once: build_model uses it too), and block_size."""
         if self.tokenizer.pad_token is None:  # GPT-2 has none; padded positions are masked out of the loss anyway
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.transformers_config = self.model_config()  # read once: build_model uses it too
+        self.transformers_config = self.model_config()
         positions = self.transformers_config.to_dict()
         limit = min(self.tokenizer.model_max_length, positions.get("n_positions") or
                     positions.get("max_position_embeddings") or 1024)  # fmt: skip
@@ -66,8 +77,6 @@ class LanguageModeling(HuggingFaceTask):
             raise UsageError(f"--block_size {self.options.block_size} exceeds what the model and tokenizer take "
                              f"({limit} positions); use --block_size {limit} or less")  # fmt: skip
         self.block_size = self.options.block_size or min(limit, 1024)
-        with main_process_first():
-            return self.tokenize(train), self.tokenize(evals)
 
     def tokenize(self, split):
         column, block_size = self.options.text_column, self.block_size

@@ -4,7 +4,8 @@
         --features '[sepal_length, sepal_width]' --hidden_size 64
 
 Without `features`, every column except the label is a feature. Features are standardised with the train split's
-mean and standard deviation (computed once, in memory). The model is src/models/mlp.py.
+mean and standard deviation (computed once; the model holds them as buffers, so a saved model takes raw features).
+The model is src/models/mlp.py behind that standardisation.
 """
 
 from dataclasses import dataclass
@@ -36,21 +37,49 @@ class Tabular(ClassificationTask):
     def build_datasets(self) -> tuple[TensorDataset, TensorDataset]:
         splits = load_splits(self.config)
         train, evals = splits[self.config.train_split], splits[self.config.eval_split]
+        self.features = self.options.features or [c for c in train.column_names if c != self.options.label_column]
         label = self.options.label_column
-        self.features = self.options.features or [c for c in train.column_names if c != label]
-        for split in (train, evals):
-            check_columns(split, [*self.features, label], "--features / --label_column")
-        (train_x, train_y), (eval_x, eval_y) = (self.to_tensors(split) for split in (train, evals))
+        (train_x, train_y), (eval_x, eval_y) = self.to_tensors(train, label), self.to_tensors(evals, label)
         self.num_labels = self.options.num_labels or int(train_y.max()) + 1
         check_labels(train_y, self.num_labels, self.config.train_split)
         check_labels(eval_y, self.num_labels, self.config.eval_split)
-        mean, std = train_x.mean(dim=0), train_x.std(dim=0).clamp_min(1e-6)
-        return TensorDataset((train_x - mean) / std, train_y), TensorDataset((eval_x - mean) / std, eval_y)
+        self.mean, self.std = train_x.mean(dim=0), train_x.std(dim=0).clamp_min(1e-6)  # the model standardises
+        return TensorDataset(train_x, train_y), TensorDataset(eval_x, eval_y)
 
-    def to_tensors(self, split) -> tuple[torch.Tensor, torch.Tensor]:
-        columns = split.with_format("torch", columns=[*self.features, self.options.label_column])[:]
+    def build_eval_dataset(self, split: str, labelled: bool = True) -> TensorDataset:
+        """Without training: the features and labels as named; the standardisation comes with the saved model."""
+        data = load_splits(self.config, [split])[split]
+        label = self.options.label_column if labelled else None
+        self.features = self.options.features or [c for c in data.column_names if c != self.options.label_column]
+        inputs, labels = self.to_tensors(data, label)
+        self.num_labels = self.options.num_labels or (int(labels.max()) + 1 if labelled else None)
+        if self.num_labels is None:
+            raise UsageError("set --num_labels: without training or labels, the model's size is not known")
+        if labelled:
+            check_labels(labels, self.num_labels, split)
+        self.mean, self.std = torch.zeros(len(self.features)), torch.ones(len(self.features))  # replaced on loading
+        return TensorDataset(inputs, labels) if labelled else TensorDataset(inputs)
+
+    def to_tensors(self, split, label: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(features, labels) of one split; `label` None: features only."""
+        check_columns(split, [*self.features, *filter(None, [label])], "--features / --label_column")
+        columns = split.with_format("torch", columns=[*self.features, *filter(None, [label])])[:]
         features = torch.stack([columns[f].float() for f in self.features], dim=1)
-        return features, columns[self.options.label_column].long()
+        return features, columns[label].long() if label else None
 
-    def build_model(self) -> nn.Module:  # after build_datasets: sized by the features and labels found there
-        return mlp(len(self.features), self.num_labels, self.options.hidden_size, self.options.num_layers)
+    def build_model(self) -> nn.Module:  # after the datasets: sized by the features and labels found there
+        network = mlp(len(self.features), self.num_labels, self.options.hidden_size, self.options.num_layers)
+        return nn.Sequential(Standardize(self.mean, self.std), network)
+
+
+class Standardize(nn.Module):
+    """(x - mean) / std with the train split's statistics, kept as buffers: saved with the model, so a reloaded model
+    takes raw features."""
+
+    def __init__(self, mean: torch.Tensor, std: torch.Tensor):
+        super().__init__()
+        self.register_buffer("mean", mean)
+        self.register_buffer("std", std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self.mean) / self.std

@@ -22,7 +22,6 @@ from src.tasks.hf import HuggingFaceTask, check_dropout, main_process_first
 class TextClassification(HuggingFaceTask):
     @dataclass
     class Options:
-        model_name_or_path: str | None = None  # a local model folder or a Hub name (bert-base-uncased)
         tokenizer_name: str | None = None  # None: the model's
         config_overrides: str | None = None  # applied to the model's config, e.g. "num_hidden_layers=2"
         text_column: str = "text"
@@ -37,25 +36,43 @@ class TextClassification(HuggingFaceTask):
             check_dropout(self.dropout)
 
     metrics = ["accuracy"]
+    labels: list | None = None  # the class names in id order: from the train split, or a trained model's config
 
     def build_datasets(self):
         options = self.options
-        columns = [options.text_column, options.label_column, *filter(None, [options.text_pair_column])]
-        train, evals = self.load_text_splits(columns, "--text_column / --text_pair_column / --label_column")
+        train, evals = self.load_text_splits(self.columns(labelled=True), self.COLUMN_FLAGS)
         self.labels = sorted(set(train[options.label_column]))  # ids in sorted order: the same on every process
-        unknown = set(evals[options.label_column]) - set(self.labels)
-        if unknown:
-            raise UsageError(f"the eval split has labels the train split lacks: {sorted(unknown)[:5]}")
         with main_process_first():
             return self.tokenize(train), self.tokenize(evals)
 
-    def tokenize(self, split):
-        options, label_ids = self.options, {label: i for i, label in enumerate(self.labels)}
+    def build_eval_dataset(self, split: str, labelled: bool = True):
+        (data,) = self.load_text_splits(self.columns(labelled), self.COLUMN_FLAGS, [split])
+        if self.labels is None:  # no training in this run: the label map saved with the model
+            id2label = self.model_config().id2label
+            self.labels = [id2label[i] for i in range(len(id2label))]
+        with main_process_first():
+            return self.tokenize(data, labelled)
+
+    COLUMN_FLAGS = "--text_column / --text_pair_column / --label_column"
+
+    def columns(self, labelled: bool) -> list[str]:
+        options = self.options
+        return [options.text_column, *filter(None, [options.text_pair_column]), *([options.label_column] * labelled)]
+
+    def tokenize(self, split, labelled: bool = True):
+        options, label_ids = self.options, {str(label): i for i, label in enumerate(self.labels)}
+        if labelled:  # labels compared as text: a reloaded model's label map holds strings
+            unknown = {str(label) for label in split.unique(options.label_column)} - set(label_ids)
+            if unknown:
+                raise UsageError(f"the {split.split or ''} split has labels the model does not know: "
+                                 f"{sorted(unknown)[:5]} (it knows {', '.join(label_ids)})")  # fmt: skip
 
         def encode(rows: dict) -> dict:
             pairs = rows[options.text_pair_column] if options.text_pair_column else None
             encoded = self.tokenizer(rows[options.text_column], pairs, truncation=True, max_length=options.max_length)
-            return {**encoded, "labels": [label_ids[label] for label in rows[options.label_column]]}
+            if not labelled:
+                return dict(encoded)
+            return {**encoded, "labels": [label_ids[str(label)] for label in rows[options.label_column]]}
 
         return split.map(encode, batched=True, remove_columns=split.column_names, desc="tokenizing")
 
@@ -84,3 +101,13 @@ class TextClassification(HuggingFaceTask):
             "predictions": logits.argmax(dim=-1),
             "references": labels,
         }
+
+    def predict(self, model: nn.Module, batch) -> dict[str, torch.Tensor]:
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+        probabilities = logits.float().softmax(dim=-1)
+        return {"prediction": probabilities.argmax(dim=-1), "probabilities": probabilities}
+
+    def prediction_rows(self, outputs: dict[str, torch.Tensor]) -> list[dict]:
+        """The predicted class by its name, as the labels were in the data."""
+        rows = super().prediction_rows(outputs)
+        return [{**row, "prediction": self.labels[row["prediction"]]} for row in rows]
