@@ -33,7 +33,13 @@ from src.checkpoint import (
 )
 from src.config import TrainConfig, parse_config, resolve
 from src.data import build_dataloaders, check_first_batch, check_split_sizes
-from src.distributed import DirectOptimizer, build_accelerator, enable_gradient_checkpointing, sync_batchnorm
+from src.distributed import (
+    DirectOptimizer,
+    build_accelerator,
+    compile_model,
+    enable_gradient_checkpointing,
+    sync_batchnorm,
+)
 from src.errors import TrainingPreempted, command_line
 from src.meters import LossWindow, StepTimer, peak_memory_gb, step_profiler, throughput_metrics
 from src.metrics import load_metrics
@@ -81,7 +87,8 @@ def train(config: TrainConfig) -> dict:
     # --- the task: data, model, metric; then the optimiser ---
     check_hub_push(config)
     task = build_task(config)
-    train_loader, eval_loader = build_dataloaders(*task.build_datasets(), config, task.collate_fn())
+    on_gpu = accelerator.device.type == "cuda"
+    train_loader, eval_loader = build_dataloaders(*task.build_datasets(), config, task.collate_fn(), pin_memory=on_gpu)
     check_split_sizes(train_loader, eval_loader, global_batch, accelerator.num_processes)
     check_first_batch(train_loader, task)
     model = sync_batchnorm(task.build_model(), accelerator)
@@ -89,9 +96,12 @@ def train(config: TrainConfig) -> dict:
         enable_gradient_checkpointing(model)
     metric = load_metrics(task.metrics if config.metrics is None else config.metrics)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(
-        model, build_optimizer(model, config), train_loader, eval_loader
+        model, build_optimizer(model, config, fused=on_gpu), train_loader, eval_loader
     )
     optimizer = DirectOptimizer(accelerator, model, optimizer)  # backward / clip / step without wrapper overhead
+    saved_model = model  # what the final model and exports save: the plain module, with or without compilation
+    if config.torch_compile:
+        model = compile_model(model, accelerator, config.torch_compile_mode)  # the steps and evaluation, compiled
 
     # --- how long: counted in optimiser steps, each seeing the same global batch on any process count ---
     steps_per_epoch = len(train_loader) // accumulation  # a trailing partial window is skipped, see distributed.py
@@ -122,7 +132,7 @@ def train(config: TrainConfig) -> dict:
     progress = progress_bar(accelerator, total_steps, initial=step)
     profiler = step_profiler(config, accelerator)
     profiler.start()
-    export = partial(task.save_model, accelerator, model) if task.export_checkpoints else None  # e.g. HF format
+    export = partial(task.save_model, accelerator, saved_model) if task.export_checkpoints else None  # e.g. HF format
     model.train()
     # SIGTERM/SIGUSR1 -> checkpoint (handlers restored however we leave); an error in the task's code -> one line
     with PreemptionSignals(accelerator) as preemption, task_errors(task):
@@ -186,7 +196,7 @@ def train(config: TrainConfig) -> dict:
         # --- final evaluation and model (a signal now changes nothing: the run is finishing) ---
         final_metrics = evaluate(task, model, eval_loader, metric, accelerator)
         log_metrics(accelerator, final_metrics, step)
-        model_dir = save_final_model(accelerator, task, model, output_dir)
+        model_dir = save_final_model(accelerator, task, saved_model, output_dir)
         push_to_hub(accelerator, config, model_dir)
         logger.info("model saved to %s; metrics in %s", model_dir, output_dir / METRICS_FILE)
     accelerator.end_training()

@@ -111,7 +111,9 @@ def check_columns(split, wanted: list[str], flags: str) -> None:
         )
 
 
-def build_dataloaders(train_set: Dataset, eval_set: Dataset, config: TrainConfig, collate_fn=None):
+def build_dataloaders(train_set: Dataset, eval_set: Dataset, config: TrainConfig, collate_fn=None, pin_memory=False):
+    """pin_memory (for a GPU): batches are collated into page-locked memory, which the GPU copies from without
+    the host waiting (Accelerate's non_blocking transfer, see distributed.py)."""
     if config.max_train_samples:
         train_set = Subset(train_set, range(min(config.max_train_samples, len(train_set))))
     if config.max_eval_samples:
@@ -123,12 +125,14 @@ def build_dataloaders(train_set: Dataset, eval_set: Dataset, config: TrainConfig
         drop_last=config.dataloader_drop_last,
         num_workers=config.dataloader_num_workers,
         collate_fn=collate_fn,
+        pin_memory=pin_memory,
     )
     eval_loader = DataLoader(
         eval_set,
         batch_size=config.per_device_eval_batch_size,
         num_workers=config.dataloader_num_workers,
         collate_fn=collate_fn,
+        pin_memory=pin_memory,
     )
     return train_loader, eval_loader
 
