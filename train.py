@@ -41,7 +41,13 @@ from src.checkpoint import (
 )
 from src.config import TrainConfig, parse_config, resolve
 from src.data import build_dataloaders, build_eval_loader, check_first_batch, check_split_sizes, has_split
-from src.distributed import DirectOptimizer, build_accelerator, enable_gradient_checkpointing, sync_batchnorm
+from src.distributed import (
+    DirectOptimizer,
+    build_accelerator,
+    compile_model,
+    enable_gradient_checkpointing,
+    sync_batchnorm,
+)
 from src.errors import TrainingPreempted, command_line
 from src.meters import LossWindow, StepTimer, peak_memory_gb, step_profiler, throughput_metrics
 from src.metrics import load_metrics
@@ -57,7 +63,7 @@ def main(args: list[str] | TrainConfig | None = None) -> dict:
     """Train and evaluate; returns the final eval metrics. `args`: CLI flags, a TrainConfig, or None (sys.argv)."""
     config = resolve(args) if isinstance(args, TrainConfig) else parse_config(args)
     if not config.do_train:
-        return evaluate_saved_model(config)
+        return evaluate_and_predict(config)
     if not config.auto_find_batch_size:
         return train(config)
     from accelerate.utils import find_executable_batch_size
@@ -91,19 +97,23 @@ def train(config: TrainConfig) -> dict:
     # --- the task: data, model, metric; then the optimiser ---
     check_hub_push(config)
     task = build_task(config)
-    train_loader, eval_loader = build_dataloaders(*task.build_datasets(), config, task.collate_fn())
+    on_gpu = accelerator.device.type == "cuda"
+    train_loader, eval_loader = build_dataloaders(*task.build_datasets(), config, task.collate_fn(), pin_memory=on_gpu)
     check_split_sizes(train_loader, eval_loader, global_batch, accelerator.num_processes)
     check_first_batch(train_loader, task)
-    test_loader = build_test_loader(task, config)  # None when the data has no test split
+    test_loader = build_test_loader(task, config, pin_memory=on_gpu)  # None when the data has no test split
     model = task.load_model(config.model_name_or_path) if config.model_name_or_path else task.build_model()
     model = sync_batchnorm(model, accelerator)
     if config.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     metric = load_metrics(task.metrics if config.metrics is None else config.metrics)
     model, optimizer, train_loader, eval_loader, test_loader = accelerator.prepare(
-        model, build_optimizer(model, config), train_loader, eval_loader, test_loader
+        model, build_optimizer(model, config, fused=on_gpu), train_loader, eval_loader, test_loader
     )
     optimizer = DirectOptimizer(accelerator, model, optimizer)  # backward / clip / step without wrapper overhead
+    saved_model = model  # what the final model and exports save: the plain module, with or without compilation
+    if config.torch_compile:
+        model = compile_model(model, accelerator, config.torch_compile_mode)  # the steps and evaluation, compiled
 
     # --- how long: counted in optimiser steps, each seeing the same global batch on any process count ---
     steps_per_epoch = len(train_loader) // accumulation  # a trailing partial window is skipped, see distributed.py
@@ -136,7 +146,7 @@ def train(config: TrainConfig) -> dict:
     progress = progress_bar(accelerator, total_steps, initial=step)
     profiler = step_profiler(config, accelerator)
     profiler.start()
-    export = partial(task.save_model, accelerator, model) if task.export_checkpoints else None  # e.g. HF format
+    export = partial(task.save_model, accelerator, saved_model) if task.export_checkpoints else None  # e.g. HF format
     model.train()
     # SIGTERM/SIGUSR1 -> checkpoint (handlers restored however we leave); an error in the task's code -> one line
     with PreemptionSignals(accelerator) as preemption, task_errors(task):
@@ -208,14 +218,14 @@ def train(config: TrainConfig) -> dict:
             final_metrics = evaluate(task, model, eval_loader, metric, accelerator)  # equal to the best's: a check
             log_metrics(accelerator, best_model.summary(), step)
         final_metrics = finish(accelerator, config, task, model, metric, final_metrics, eval_loader, test_loader, step)
-        model_dir = save_final_model(accelerator, task, model, output_dir)
+        model_dir = save_final_model(accelerator, task, saved_model, output_dir)
         push_to_hub(accelerator, config, model_dir)
         logger.info("model saved to %s; metrics in %s", model_dir, output_dir / METRICS_FILE)
     accelerator.end_training()
     return final_metrics
 
 
-def evaluate_saved_model(config: TrainConfig) -> dict:
+def evaluate_and_predict(config: TrainConfig) -> dict:
     """`--do_train false`: evaluate and/or predict with a saved model (--model_name_or_path, by default the run's
     model/). Reads only the splits it uses; writes only eval_results.json and predictions.jsonl."""
     accelerator = build_accelerator(config)  # no trackers: the results go to eval_results.json
@@ -236,12 +246,12 @@ def evaluate_saved_model(config: TrainConfig) -> dict:
         return finish(accelerator, config, task, model, metric, metrics, eval_loader, test_loader, step=0)
 
 
-def build_test_loader(task, config: TrainConfig):
+def build_test_loader(task, config: TrainConfig, pin_memory: bool = False):
     """The test split when the data has one (labelled if it is evaluated, not if it is only predicted), else None."""
     if not ((config.do_eval or config.do_predict) and has_split(config, config.test_split)):
         return None
     dataset = task.build_eval_dataset(config.test_split, labelled=config.do_eval)
-    return build_eval_loader(dataset, config, task.collate_fn(), config.max_predict_samples)
+    return build_eval_loader(dataset, config, task.collate_fn(), config.max_predict_samples, pin_memory)
 
 
 def finish(accelerator, config: TrainConfig, task, model, metric, metrics: dict, eval_loader, test_loader, step):

@@ -23,6 +23,7 @@ import yaml
 from src.errors import UsageError
 
 TRACKERS = ("wandb", "tensorboard")
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 
 
 @dataclass
@@ -79,7 +80,9 @@ class TrainConfig:
     auto_find_batch_size: bool = False  # on out-of-memory: halve the per-device batch, keep global_batch_size
     mixed_precision: Literal["no", "fp16", "bf16"] | None = None  # None: from the accelerate config / launcher
     gradient_checkpointing: bool = False  # trade compute for memory, for models that support it
-    torch_compile: bool = False  # torch.compile the model (inductor)
+    torch_compile: bool = False  # torch.compile the model (inductor), in place: checkpoints keep the plain keys
+    torch_compile_mode: CompileMode | None = None  # torch.compile's mode, e.g. max-autotune; None: its default
+    tf32: bool | None = None  # TensorFloat-32 matmuls for float32 work on NVIDIA GPUs (Ampere+); None: torch's default
     skip_nonfinite_batches: bool = False  # skip optimiser steps whose gradient is NaN/inf instead of stopping
 
     # --- logging and evaluation (in optimiser steps) ---

@@ -128,7 +128,9 @@ def check_columns(split, wanted: list[str], flags: str) -> None:
         )
 
 
-def build_dataloaders(train_set: Dataset, eval_set: Dataset, config: TrainConfig, collate_fn=None):
+def build_dataloaders(train_set: Dataset, eval_set: Dataset, config: TrainConfig, collate_fn=None, pin_memory=False):
+    """pin_memory (for a GPU): batches are collated into page-locked memory, which the GPU copies from without
+    the host waiting (Accelerate's non_blocking transfer, see distributed.py)."""
     if config.max_train_samples:
         train_set = Subset(train_set, range(min(config.max_train_samples, len(train_set))))
     train_loader = DataLoader(
@@ -138,11 +140,12 @@ def build_dataloaders(train_set: Dataset, eval_set: Dataset, config: TrainConfig
         drop_last=config.dataloader_drop_last,
         num_workers=config.dataloader_num_workers,
         collate_fn=collate_fn,
+        pin_memory=pin_memory,
     )
-    return train_loader, build_eval_loader(eval_set, config, collate_fn, config.max_eval_samples)
+    return train_loader, build_eval_loader(eval_set, config, collate_fn, config.max_eval_samples, pin_memory)
 
 
-def build_eval_loader(dataset: Dataset, config: TrainConfig, collate_fn=None, max_samples: int | None = None):
+def build_eval_loader(dataset: Dataset, config: TrainConfig, collate_fn=None, max_samples=None, pin_memory=False):
     """In order, every sample once: after `prepare`, `gather_for_metrics` drops the padding of uneven shards."""
     if max_samples:
         dataset = Subset(dataset, range(min(max_samples, len(dataset))))
@@ -151,6 +154,7 @@ def build_eval_loader(dataset: Dataset, config: TrainConfig, collate_fn=None, ma
         batch_size=config.per_device_eval_batch_size,
         num_workers=config.dataloader_num_workers,
         collate_fn=collate_fn,
+        pin_memory=pin_memory,
     )
 
 

@@ -59,8 +59,8 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
         )
     accumulation = resolve_global_batch(config, state.num_processes) if config.do_train else 1
     options = {"mixed_precision": config.mixed_precision} if config.mixed_precision else {}
-    if config.torch_compile:
-        options["dynamo_backend"] = "inductor"
+    if config.tf32 is not None and not use_cpu:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = config.tf32
     try:
         return Accelerator(
             cpu=use_cpu,
@@ -69,7 +69,9 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
             # sync_with_dataloader=False: the loop runs whole accumulation windows only, so no partial window at
             # an epoch's end makes an extra, smaller optimiser step that a different process count would not make
             gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=accumulation, sync_with_dataloader=False),
-            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+            # non_blocking: a batch's copy to the GPU (from pinned memory, see data.py) does not wait for it, so
+            # the next batch is fetched and copied while the GPU still computes the current one
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=not use_cpu),
             # on the CPU everything already is where it runs; placement would only re-check each batch (~1% of the
             # benchmark's tiny model step, in an A/B of the data loader alone)
             device_placement=not use_cpu,
@@ -77,6 +79,15 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
         )
     except ValueError as err:  # e.g. fp16 without a GPU, or an accelerate config this machine can't run
         raise UsageError(f"Accelerate cannot run this setup: {' '.join(str(err).split())}") from err
+
+
+def compile_model(model: nn.Module, accelerator, mode: str | None) -> nn.Module:
+    """`--torch_compile`: `torch.compile` of the prepared model (outside DDP/FSDP, as Accelerate's own
+    `dynamo_backend` does). Compiles at the first call; evaluation compiles its own graph. Save the plain model,
+    not this wrapper: its state dict's keys carry an `_orig_mod.` prefix."""
+    if accelerator.distributed_type.value == "DEEPSPEED":
+        raise UsageError("--torch_compile is not supported with DeepSpeed here; use DDP or FSDP, or compile off")
+    return torch.compile(model, mode=mode)
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:

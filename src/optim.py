@@ -11,12 +11,16 @@ from src.config import TrainConfig
 logger = logging.getLogger(__name__)
 
 
-def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW; no weight decay on biases and normalisation weights (1-D parameters), as usual."""
+def build_optimizer(model: nn.Module, config: TrainConfig, fused: bool = False) -> torch.optim.Optimizer:
+    """AdamW; no weight decay on biases and normalisation weights (1-D parameters), as usual.
+
+    fused: one CUDA kernel for the whole update instead of torch's default multi-tensor (foreach) one; pass it
+    when the parameters will live on a GPU. The CPU keeps the default implementation (and its exact numbers)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2))
+    betas = (config.adam_beta1, config.adam_beta2)
+    return torch.optim.AdamW(groups, lr=config.learning_rate, betas=betas, **({"fused": True} if fused else {}))
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, kind: str) -> float:

@@ -91,3 +91,11 @@ def test_one_scheduler_step_per_optimiser_step(out):
     assert list(logged) == list(range(1, 11))
     expected = {step: 3e-3 * lr_factor(step, 10, 4, "cosine") for step in logged}
     assert logged == pytest.approx(expected, rel=1e-9)
+
+
+def test_fused_adamw_only_when_asked():
+    """train.py asks for the fused kernel on a GPU only: the CPU keeps torch's default AdamW and its numbers."""
+    model = DigitsCNN(norm="group")
+    assert not build_optimizer(model, TrainConfig()).defaults["fused"]
+    fused = build_optimizer(model, TrainConfig(), fused=True)
+    assert all(group["fused"] for group in fused.param_groups)

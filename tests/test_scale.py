@@ -121,9 +121,13 @@ def test_unsupported_options_are_clear_errors(tmp_path, flags, message):
 
 
 @pytest.mark.slow
-def test_torch_compile_trains_on_the_cpu(tmp_path):
-    """--torch_compile true: inductor compiles the model (its cache fills) and the losses are eager's."""
-    flags = [*QUICK, "--max_steps", "4", "--logging_steps", "1", "--model", "linear", "--norm", "none"]
+def test_torch_compile_trains_on_the_cpu_and_saves_plain_keys(tmp_path):
+    """--torch_compile true: inductor compiles the model (its cache fills), the losses are eager's, and the saved
+    model and checkpoints have the plain model's keys (no `_orig_mod.`): an eager run resumes a compiled checkpoint."""
+    from safetensors.torch import load_file
+
+    flags = [*QUICK, "--max_steps", "4", "--logging_steps", "1", "--save_steps", "2", "--model", "linear",
+             "--norm", "none"]  # fmt: skip
     cache = tmp_path / "inductor"  # empty: the run compiles for real instead of loading an earlier compilation
     compiled = run_train(*flags, "--torch_compile", "true", "--output_dir", str(tmp_path / "compiled"),
                          env={"TORCHINDUCTOR_CACHE_DIR": str(cache)}, timeout=600)  # fmt: skip
@@ -133,6 +137,16 @@ def test_torch_compile_trains_on_the_cpu(tmp_path):
     losses, eager = (series(read_metrics(tmp_path / run), "train/loss") for run in ("compiled", "eager"))
     assert list(losses) == [1, 2, 3, 4] and all(math.isfinite(loss) for loss in losses.values())
     assert losses == pytest.approx(eager, abs=1e-5)
+
+    def keys(run: str, path: str) -> list[str]:
+        return sorted(load_file(tmp_path / run / path))
+
+    for path in ("model/model.safetensors", "checkpoints/step_2/model.safetensors"):
+        assert keys("compiled", path) == keys("eager", path) == ["1.bias", "1.weight"]
+    checkpoint = str(tmp_path / "compiled" / "checkpoints" / "step_2")
+    assert_ok(run_train(*flags, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint", checkpoint))
+    resumed = series(read_metrics(tmp_path / "resumed"), "train/loss")
+    assert list(resumed) == [3, 4] and resumed == pytest.approx({3: eager[3], 4: eager[4]}, abs=1e-5)
 
 
 # the model's own output, inside Accelerate's autocast wrapper (which casts what leaves the model back to float32)
