@@ -225,6 +225,18 @@ def train(config: TrainConfig) -> dict:
     return final_metrics
 
 
+def predict(args: list[str] | TrainConfig) -> list[dict]:
+    """The rows of predictions.jsonl, from Python: a saved model (by default the run's model/) over the test split,
+    e.g. `predict(["--data_files", "{test: new.parquet}"])`. Nothing is trained or evaluated."""
+    only = {"do_train": False, "do_eval": False, "do_predict": True}
+    if isinstance(args, TrainConfig):
+        config = resolve(replace(args, **only))
+    else:
+        config = parse_config([*(f"--{name}={value}" for name, value in only.items()), *args])
+    evaluate_and_predict(config)
+    return [json.loads(line) for line in (Path(config.output_dir) / PREDICTIONS_FILE).read_text().splitlines()]
+
+
 def evaluate_and_predict(config: TrainConfig) -> dict:
     """`--do_train false`: evaluate and/or predict with a saved model (--model_name_or_path, by default the run's
     model/). Reads only the splits it uses; writes only eval_results.json and predictions.jsonl."""

@@ -1,0 +1,294 @@
+"""Use a trained model without training it again: evaluation alone (--do_train false), a test split, predictions
+in input order on any process count, and the best model kept (metric_for_best_model, load_best_model_at_end)."""
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from src.checkpoint import BestModel, TrainerState, rotate_checkpoints
+from src.config import TrainConfig, parse_config
+from src.errors import UsageError
+from tests.conftest import (
+    REPO,
+    assert_ok,
+    read_metrics,
+    run_command,
+    run_train,
+    run_with_hook,
+    series,
+)
+
+DIGITS = REPO / "data" / "digits"
+TRAIN = ["--max_steps", "40", "--eval_steps", "10", "--logging_steps", "10"]
+
+
+def eval_results(output_dir: Path) -> dict:
+    return json.loads((Path(output_dir) / "eval_results.json").read_text())
+
+
+def predictions(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(output_dir) / "predictions.jsonl").read_text().splitlines()]
+
+
+def folder_state(folder: Path) -> dict:
+    """Every file under `folder` with its size and modification time: to prove nothing was rewritten."""
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A short digits run (1 process) whose model/ the tests reuse."""
+    output_dir = tmp_path_factory.mktemp("trained") / "run"
+    assert_ok(run_train(*TRAIN, "--output_dir", str(output_dir)))
+    return output_dir
+
+
+@pytest.fixture(scope="module")
+def prime_input(tmp_path_factory) -> Path:
+    """97 rows (a prime: uneven shards on 2 and 3 processes) with an id column and no labels."""
+    frame = pd.read_parquet(DIGITS / "eval.parquet").head(97).drop(columns=["label"])
+    frame.insert(0, "id", [f"digit-{i}" for i in range(len(frame))])
+    path = tmp_path_factory.mktemp("data") / "unlabelled.parquet"
+    frame.to_parquet(path)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 2])
+def test_eval_only_reproduces_the_runs_final_metrics_without_the_train_split(trained, tmp_path, processes):
+    before = folder_state(trained)
+    result = run_train(
+        "--do_train", "false", "--model_name_or_path", str(trained / "model"), "--output_dir", str(tmp_path / "eval"),
+        "--data_files", f"{{train: {tmp_path}/absent.parquet, eval: {DIGITS}/eval.parquet}}",  # never read
+        processes=processes,
+    )  # fmt: skip
+    assert_ok(result)
+    final = [row for row in read_metrics(trained) if "eval/accuracy" in row][-1]
+    results = eval_results(tmp_path / "eval")
+    assert results["eval/accuracy"] == final["eval/accuracy"]
+    assert results["eval/num_samples"] == final["eval/num_samples"] == 359
+    assert results["eval/loss"] == pytest.approx(final["eval/loss"], rel=1e-6)
+    assert sorted(p.name for p in (tmp_path / "eval").iterdir()) == ["eval_results.json"]  # no checkpoint, no model/
+    assert folder_state(trained) == before
+
+
+@pytest.mark.slow
+def test_eval_only_defaults_to_the_runs_own_model_and_writes_nothing_else(trained):
+    """`python train.py --do_train false --output_dir RUN` evaluates RUN/model and adds only eval_results.json."""
+    before = {name: state for name, state in folder_state(trained).items() if name != "eval_results.json"}
+    assert_ok(run_train("--do_train", "false", "--output_dir", str(trained)))
+    after = {name: state for name, state in folder_state(trained).items() if name != "eval_results.json"}
+    assert after == before
+    final = [row for row in read_metrics(trained) if "eval/accuracy" in row][-1]
+    assert eval_results(trained)["eval/accuracy"] == final["eval/accuracy"]
+
+
+@pytest.mark.slow
+def test_predictions_of_a_prime_sized_input_are_the_same_on_1_2_and_3_processes(trained, prime_input, tmp_path):
+    rows = {}
+    for processes in (1, 2, 3):
+        output_dir = tmp_path / f"p{processes}"
+        result = run_train(
+            "--do_train", "false", "--do_eval", "false", "--do_predict", "true", "--output_dir", str(output_dir),
+            "--model_name_or_path", str(trained), "--data_files", f"{{test: {prime_input}}}",
+            "--per_device_eval_batch_size", "8", processes=processes,
+        )  # fmt: skip
+        assert_ok(result)
+        rows[processes] = predictions(output_dir)
+    expected_ids = [f"digit-{i}" for i in range(97)]
+    for processes, found in rows.items():
+        assert [row["id"] for row in found] == expected_ids, f"{processes} processes: rows missing, doubled or moved"
+        assert [row["prediction"] for row in found] == [row["prediction"] for row in rows[1]]
+        torch.testing.assert_close(
+            torch.tensor([row["probabilities"] for row in found]),
+            torch.tensor([row["probabilities"] for row in rows[1]]),
+            rtol=0, atol=1e-6,
+        )  # fmt: skip
+    # the predicted classes are the model's: as accurate on these rows as the eval of the same rows says
+    labels = pd.read_parquet(DIGITS / "eval.parquet").head(97)["label"].tolist()
+    correct = sum(row["prediction"] == label for row, label in zip(rows[1], labels, strict=True))
+    assert correct / 97 > 0.5
+    assert all(abs(sum(row["probabilities"]) - 1) < 1e-5 for row in rows[1])
+
+
+@pytest.mark.slow
+def test_predict_from_python_returns_the_rows_of_predictions_jsonl(trained, prime_input, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.chdir(REPO)
+    from train import predict
+
+    rows = predict(["--output_dir", str(trained), "--data_files", f"{{test: {prime_input}}}"])
+    assert len(rows) == 97 and rows[0]["id"] == "digit-0" and rows[-1]["id"] == "digit-96"
+    assert rows == predictions(trained)
+
+
+@pytest.mark.slow
+def test_test_split_is_evaluated_and_predicted_after_training(tmp_path):
+    """A labelled test split: test/ metrics next to the eval ones, predictions of the test split."""
+    test_file = tmp_path / "test.parquet"
+    pd.read_parquet(DIGITS / "eval.parquet").head(31).to_parquet(test_file)
+    files = f"{{train: {DIGITS}/train.parquet, eval: {DIGITS}/eval.parquet, test: {test_file}}}"
+    out = tmp_path / "run"
+    assert_ok(run_train("--max_steps", "10", "--data_files", files, "--do_predict", "true", "--output_dir", str(out)))
+    results = eval_results(out)
+    assert results["test/num_samples"] == 31 and 0 <= results["test/accuracy"] <= 1
+    assert {"eval/accuracy", "eval/loss", "test/loss"} <= set(results)
+    assert series(read_metrics(out), "test/accuracy") == {10: results["test/accuracy"]}
+    assert len(predictions(out)) == 31
+
+
+def best_run(tmp_path: Path, name: str, extra=(), hook: str = "pass"):
+    """The *worst* accuracy is "best" (greater_is_better false): an early step, not the last, so the final weights
+    must really be replaced by an older checkpoint's."""
+    args = [*TRAIN, "--save_steps", "20", "--save_total_limit", "1", "--metric_for_best_model", "accuracy",
+            "--greater_is_better", "false", "--load_best_model_at_end", "true", "--output_dir", str(tmp_path / name),
+            *extra]  # fmt: skip
+    return run_with_hook(tmp_path, args, hook=hook)
+
+
+@pytest.mark.slow
+def test_load_best_model_at_end_keeps_the_best_checkpoint_and_model_evaluates_to_it(tmp_path):
+    out = tmp_path / "best"
+    assert_ok(best_run(tmp_path, "best"))
+    accuracy = series(read_metrics(out), "eval/accuracy")
+    best_step = min(accuracy, key=lambda step: (accuracy[step], step))
+    assert best_step < 40, f"the test needs a best that is not the last step: {accuracy}"
+    summary = [row for row in read_metrics(out) if "best_model/step" in row]
+    assert summary and summary[-1]["best_model/step"] == best_step
+    assert summary[-1]["best_model/eval/accuracy"] == accuracy[best_step]
+    # rotation (save_total_limit 1) kept the best checkpoint beside the newest
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == sorted({f"step_{best_step}", "step_40"})
+    # model/ holds the best weights: evaluated alone, it gives the best logged accuracy
+    assert_ok(run_train("--do_train", "false", "--output_dir", str(out)))
+    assert eval_results(out)["eval/accuracy"] == accuracy[best_step]
+
+    # killed after the step-20 checkpoint and resumed: the same best step, the same model/
+    kill = "if step == 30: os.kill(os.getpid(), signal.SIGKILL)"
+    assert best_run(tmp_path, "killed", hook=kill).returncode == -9
+    resumed = best_run(tmp_path, "killed", ["--resume_from_checkpoint", "latest"])
+    assert_ok(resumed)
+    assert "resuming from" in resumed.stderr and "step_20" in resumed.stderr
+    summary = [row for row in read_metrics(tmp_path / "killed") if "best_model/step" in row]
+    assert summary[-1]["best_model/step"] == best_step
+    assert_ok(run_train("--do_train", "false", "--output_dir", str(tmp_path / "killed")))
+    assert eval_results(tmp_path / "killed")["eval/accuracy"] == accuracy[best_step]
+
+
+def test_rotation_never_deletes_the_best_checkpoint(tmp_path):
+    for step in (10, 20, 30, 40):
+        (tmp_path / "checkpoints" / f"step_{step}").mkdir(parents=True)
+        (tmp_path / "checkpoints" / f"step_{step}" / "trainer_state.json").write_text("{}")
+    rotate_checkpoints(tmp_path, keep=1, keep_step=20)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_20", "step_40"]
+    rotate_checkpoints(tmp_path, keep=1, keep_step=40)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_40"]
+
+
+@pytest.mark.parametrize(
+    ("metric", "greater", "values", "best"),
+    [
+        ("eval/accuracy", None, [0.5, 0.7, 0.7, 0.6], (1, 0.7)),  # ties keep the earlier step
+        ("loss", None, [2.0, 1.0, 1.5, 0.5], (3, 0.5)),  # "loss" means eval/loss, lower is better
+        ("accuracy", False, [0.5, 0.4, 0.7, 0.6], (1, 0.4)),
+    ],
+)
+def test_best_model_follows_the_metric_and_direction(metric, greater, values, best):
+    config = TrainConfig(metric_for_best_model=metric, greater_is_better=greater)
+    state = TrainerState()
+    tracker = BestModel(config, state)
+    improved = [tracker.improved({config.metric_for_best_model: v, "eval/other": 0.0}, i) for i, v in enumerate(values)]
+    assert (state.best_model_step, state.best_model_metric) == best
+    assert improved[0] and improved.count(True) == len({s for s, flag in enumerate(improved) if flag})
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--do_train", "false", "--do_eval", "false"], "all false: nothing to do"),
+        (["--do_train", "false", "--load_best_model_at_end", "true"], "needs evaluations during training"),
+        (["--do_eval", "false", "--metric_for_best_model", "accuracy"], "needs evaluations during training"),
+    ],
+)
+def test_bad_phase_settings_are_refused_when_parsed(flags, message):
+    with pytest.raises(UsageError, match=message):
+        parse_config(flags)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--do_train", "false", "--do_eval", "false"], "all false: nothing to do"),
+        (["--do_train", "false", "--model_name_or_path", "no/such/run"], "no such folder"),
+        (["--do_train", "false", "--model_name_or_path", "src"], "does not hold weights for this model"),
+        (["--max_steps", "2", "--metric_for_best_model", "f1"], "eval/f1 is not logged"),
+    ],
+)
+def test_bad_phase_settings_are_one_line(flags, message, tmp_path):
+    result = run_train(*flags, "--output_dir", str(tmp_path / "run"))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in result.stderr.strip().splitlines()[-1]
+
+
+def test_best_model_needs_eval_and_parses_transformers_names():
+    config = TrainConfig(load_best_model_at_end=True)
+    assert (config.metric_for_best_model, config.greater_is_better) == ("eval/loss", False)
+    assert TrainConfig(metric_for_best_model="accuracy").greater_is_better is True
+    with pytest.raises(UsageError, match="nothing to do"):
+        TrainConfig(do_train=False, do_eval=False, do_predict=False)
+
+
+@pytest.mark.slow
+def test_tabular_and_causal_lm_models_evaluate_alone_as_at_the_end_of_training(tmp_path):
+    """The tabular model carries its standardisation; the GPT's tied embedding reloads."""
+    table = tmp_path / "table.csv"
+    frame = pd.DataFrame({"a": [i % 7 * 1.5 for i in range(96)], "b": [i % 5 * 3.0 for i in range(96)]})
+    frame["label"] = ((frame["a"] + frame["b"]) > 9).astype(int)
+    frame.to_csv(table, index=False)
+    runs = {
+        "tabular": ["--task", "tabular", "--data_files", f"{{train: {table}, eval: {table}}}", "--num_labels", "2"],
+        "causal_lm": [
+            "--task",
+            "causal_lm",
+            "--config",
+            "configs/lm.yaml",
+            "--n_layer",
+            "1",
+            "--n_embd",
+            "32",
+            "--max_train_tokens",
+            "20000",
+            "--max_eval_tokens",
+            "5000",
+        ],  # fmt: skip
+    }
+    for name, args in runs.items():
+        out = tmp_path / name
+        assert_ok(run_train(*args, "--max_steps", "6", "--output_dir", str(out)))
+        final = [row for row in read_metrics(out) if "eval/loss" in row][-1]
+        assert_ok(run_train(*args, "--do_train", "false", "--output_dir", str(out)))
+        assert eval_results(out)["eval/loss"] == pytest.approx(final["eval/loss"], rel=1e-6), name
+
+
+@pytest.mark.slow
+def test_readme_use_your_trained_model_commands_run(tmp_path):
+    """The README section's commands verbatim, in a folder that links to the repository's code and data, so their
+    runs/ is a fresh one (after the Quickstart's run, which they start from)."""
+    from scripts.readme_commands import section_commands
+
+    for name in ("train.py", "src", "data", "configs", "accelerate_configs", "scripts"):
+        (tmp_path / name).symlink_to(REPO / name)
+    assert_ok(run_train("--output_dir", str(tmp_path / "runs" / "digits")))  # the Quickstart's run
+    for command in section_commands("Use your trained model"):
+        words = shlex.split(command)
+        words[0] = sys.executable if words[0] == "python" else words[0]
+        assert_ok(run_command(words, cwd=tmp_path, timeout=600))
+    runs = tmp_path / "runs"
+    assert eval_results(runs / "digits")["eval/num_samples"] == 359
+    assert len(predictions(runs / "digits")) == 359
+    assert [row for row in read_metrics(runs / "digits_best") if "best_model/step" in row or "eval/loss" in row]
