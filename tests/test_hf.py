@@ -122,6 +122,26 @@ def test_saved_model_loads_with_from_pretrained_and_reproduces_the_eval_accuracy
     assert loaded["pipeline"] == loaded["first"]
 
 
+@pytest.mark.slow
+def test_eval_only_and_predictions_from_a_runs_model_folder(classified, assets, tmp_path):
+    """--do_train false on a trained classifier (its run folder -> model/), on 2 processes: the run's accuracy
+    exactly, without its train file, and one prediction per eval line, in order, by label name."""
+    out = tmp_path / "eval"
+    data = f"{{train: {tmp_path}/absent.jsonl, eval: {assets['eval']}}}"
+    result = run_train("--task", "text_classification", "--do_train", "false", "--do_predict", "true",
+                       "--model_name_or_path", str(classified[2]), "--data_files", data, "--output_dir", str(out),
+                       processes=2)  # fmt: skip
+    assert_ok(result)
+    final = [row for row in read_metrics(classified[2]) if "eval/accuracy" in row][-1]
+    results = json.loads((out / "eval_results.json").read_text())
+    assert results["eval/accuracy"] == final["eval/accuracy"]
+    rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    texts = [json.loads(line) for line in Path(assets["eval"]).read_text().splitlines()]
+    assert len(rows) == len(texts)
+    correct = sum(row["prediction"] == text["label"] for row, text in zip(rows, texts, strict=True))
+    assert correct / len(texts) == final["eval/accuracy"]  # string labels, in input order
+
+
 @pytest.fixture(scope="module")
 def modeled(assets, tmp_path_factory) -> dict:
     """Padded texts: 1 process with one batch of 16 vs 2 processes with 4 x 2 each. Per-micro-batch means would
