@@ -22,6 +22,7 @@ import yaml
 
 from src.errors import UsageError
 
+
 @dataclass
 class TrainConfig:
     # --- run ---
