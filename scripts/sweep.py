@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import difflib
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -81,17 +82,23 @@ def main(argv: list[str] | None = None) -> None:
         if problem:
             raise UsageError(problem)
 
-    output_dir.mkdir(parents=True, exist_ok=True)  # all input checked: from here on the sweep writes
-    storage = optuna.storages.RDBStorage(
-        args.storage or f"sqlite:///{output_dir / 'study.db'}", heartbeat_interval=HEARTBEAT, grace_period=3 * HEARTBEAT
-    )
+    url = args.storage or f"sqlite:///{output_dir / 'study.db'}"
+    shown = storage_name(url)
+    if not args.storage:
+        output_dir.mkdir(parents=True, exist_ok=True)  # for study.db; all input is checked: from here on we write
+    try:
+        storage = optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT, grace_period=3 * HEARTBEAT)
+    except Exception as err:  # sqlalchemy: no driver, no server, no access; each its own class
+        raise UsageError(f"--storage {shown}: {' '.join(str(err).split())[:300]}") from None
+    output_dir.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill`: stop the running trial too, as Ctrl-C does
     study = optuna.create_study(
         study_name=study_name, storage=storage, direction=space.direction, sampler=space.sampler,
         pruner=space.pruner, load_if_exists=True,
     )  # fmt: skip
     finished_states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
     done = len(study.get_trials(deepcopy=False, states=finished_states))
-    print(f"study {study_name} in {storage.url}: {done} of {args.n_trials} trials finished", flush=True)
+    print(f"study {study_name} in {shown}: {done} of {args.n_trials} trials finished", flush=True)
     if done < args.n_trials:
         study.optimize(
             lambda trial: objective(trial, space, args.accelerate_config, train_args, output_dir, study_name),
@@ -103,6 +110,19 @@ def main(argv: list[str] | None = None) -> None:
     plot = plot_trials(study, space.metric, output_dir / "trials.png")
     if plot:
         print(f"plot: {plot}")
+
+
+def storage_name(url: str) -> str:
+    """The database URL as printed: without its password. A URL sqlalchemy can't parse is bad input."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        raise UsageError(
+            f"--storage {url!r} is not a database URL; e.g. sqlite:///study.db, postgresql://host/db"
+        ) from None
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -128,7 +148,7 @@ def import_optuna():
         import optuna
     except ImportError:
         raise UsageError("scripts/sweep.py needs optuna: pip install optuna") from None
-    optuna.logging.set_verbosity(optuna.logging.WARNING)  # one line per trial is ours
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # one line per trial is ours (not a traceback per failure)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # the heartbeat
     return optuna
 

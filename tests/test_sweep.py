@@ -89,6 +89,17 @@ def test_the_shipped_search_space_loads():
     assert (space.metric, space.direction) == ("eval/accuracy", "maximize") and len(space.distributions) == 3
 
 
+@pytest.mark.parametrize(
+    "url, message",
+    [("nonsense", "is not a database URL"), ("postgresql://me:secret@localhost:1/db", r"postgresql://me:\*\*\*@")],
+)
+def test_bad_storage_is_one_line_without_the_password(tmp_path, url, message):
+    out = tmp_path / "sweep"
+    with pytest.raises(UsageError, match=message) as info:
+        sweep.main([str(write_space(tmp_path, GOOD)), "--output_dir", str(out), "--storage", url])
+    assert "secret" not in str(info.value) and not out.exists()
+
+
 def test_wandb_agent_arguments_are_accepted():
     """What `wandb agent` runs for configs/sweep/wandb_digits.yaml: its `command`, ${args} as wandb builds them."""
     from wandb.sdk.launch.sweeps.utils import create_sweep_command_args
@@ -183,6 +194,29 @@ def test_killed_sweep_continues_the_same_study(tmp_path):
         before[0].params, before[0].value, before[0].datetime_complete)  # fmt: skip
     assert len([row for row in read_metrics(out / "trial_0") if "setup/world_size" in row]) == 1  # not rerun
     assert after[1].state.name in ("RUNNING", "FAIL")  # failed by the heartbeat once its grace period is over
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_sweep_stops_its_trial(tmp_path):
+    """`kill <sweep>` (not its process group) leaves no trainer running: the trial is stopped and marked failed."""
+    import psutil
+
+    space = write_space(tmp_path, {"fixed": {"max_steps": 5000, "save_steps": 0}, **GOOD})
+    out = tmp_path / "sweep"
+    command = [sys.executable, "scripts/sweep.py", str(space), "--output_dir", str(out),
+               "--accelerate_config", "accelerate_configs/ddp.yaml"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (out / "trial_0" / "metrics.jsonl").exists():
+        assert time.monotonic() < deadline and process.poll() is None, "trial 0 never started"
+        time.sleep(0.2)
+    trainers = psutil.Process(process.pid).children(recursive=True)  # the launcher and its 2 workers
+    process.terminate()
+    assert process.wait(timeout=120) == 130 and len(trainers) == 3
+    _, alive = psutil.wait_procs(trainers, timeout=30)
+    assert not alive
+    assert [t.state.name for t in load_study(out).trials] == ["FAIL"]
 
 
 @pytest.mark.slow
