@@ -8,7 +8,7 @@
 The search space file (configs/sweep/digits.yaml is an example):
 
     metric: eval/accuracy          # the objective: the trial's last value of this key in its metrics.jsonl
-    direction: maximize            # or minimize
+    direction: maximize            # default: eval/loss, minimize
     fixed: {max_steps: 100}        # train.py fields (or task options) set for every trial
     parameters:                    # any TrainConfig field or task option
       learning_rate: {low: 1.0e-4, high: 3.0e-2, log: true}   # a float range, log scale
@@ -19,11 +19,12 @@ The search space file (configs/sweep/digits.yaml is an example):
 
 Trial n trains in <output_dir>/trial_<n> (its console output in trial_<n>.log), with `--run_group <study>` (the wandb
 group) and `--run_name <study>-trial_<n>`. While it runs, each new value of the metric in its metrics.jsonl goes to
-the pruner; a pruned trial gets SIGTERM (then SIGKILL) at once, so it stops within one eval interval.
+the pruner; a pruned trial's processes get SIGTERM at once (SIGKILL 15 s later), and it stops at a step boundary.
+`kill` (SIGTERM) or Ctrl-C on the sweep stops its running trial too, marked failed.
 
 The study lives in SQLite, <output_dir>/study.db, unless --storage names another database Optuna takes. --n_trials
 counts the study's finished (complete or pruned) trials: run the same command again after a kill and it continues.
-A trial its sweep left RUNNING is failed by Optuna's heartbeat after HEARTBEAT x 3 seconds. At the end: a markdown
+A trial a killed sweep left RUNNING is marked failed by Optuna's heartbeat 30 s later. At the end: a markdown
 table of the trials on stdout and <output_dir>/trials.png. Bad input: one `error:` line, exit code 2, nothing written.
 """
 
@@ -171,7 +172,7 @@ def load_space(path: Path, train_args: list[str]) -> Space:
             raise problem(f"unknown key {key!r}{did_you_mean(key, keys)}; it holds {', '.join(sorted(keys))}")
     if not isinstance(spec, dict) or not isinstance(spec.get("parameters"), dict) or not spec["parameters"]:
         raise problem("needs `parameters:`, a mapping of config fields to {low, high} or {choices: [...]}")
-    direction = spec.get("direction", "maximize")
+    direction = spec.get("direction", "minimize")
     if direction not in ("maximize", "minimize"):
         raise problem(f"direction must be maximize or minimize (got {direction!r})")
     fixed = spec.get("fixed") or {}
