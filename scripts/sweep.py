@@ -24,7 +24,8 @@ the pruner; a pruned trial's processes get SIGTERM at once (SIGKILL 15 s later),
 
 The study lives in SQLite, <output_dir>/study.db, unless --storage names another database Optuna takes. --n_trials
 counts the study's finished (complete or pruned) trials: run the same command again after a kill and it continues.
-A trial a killed sweep left RUNNING is marked failed by Optuna's heartbeat 30 s later. At the end: a markdown
+A trial a killed sweep left RUNNING is marked failed by Optuna's heartbeat once 30 s have passed (checked at each
+trial's start and at the end). At the end: a markdown
 table of the trials on stdout and <output_dir>/trials.png. Bad input: one `error:` line, exit code 2, nothing written.
 """
 
@@ -107,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
             callbacks=[optuna.study.MaxTrialsCallback(args.n_trials, states=finished_states)],  # other workers'
             catch=(TrialFailed,),
         )
+    optuna.storages.fail_stale_trials(study)  # what optimize does before each trial: also when none was left to run
     print(trials_table(study, space.metric))
     plot = plot_trials(study, space.metric, output_dir / "trials.png")
     if plot:
