@@ -22,7 +22,6 @@ import yaml
 
 from src.errors import UsageError
 
-TRACKERS = ("wandb", "tensorboard")
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 
 
@@ -36,7 +35,7 @@ class TrainConfig:
     project_name: str = "accelerate-template"  # wandb project / tensorboard folder
     run_tags: list[str] = field(default_factory=list)  # wandb tags
     run_group: str | None = None  # wandb group, e.g. one per sweep
-    report_to: str | list[str] = "none"  # wandb, tensorboard, a list or "a,b", all, none; metrics.jsonl always
+    report_to: str | list[str] = "none"  # wandb, tensorboard, mlflow or any Accelerate tracker, a list, all, none
     debug: bool = False  # full tracebacks instead of one-line errors
     push_to_hub: bool = False  # upload model/ to the Hugging Face Hub at the end (checked before training starts)
     hub_model_id: str | None = None  # the Hub repository, user/name; None: the output_dir's folder name
@@ -162,16 +161,29 @@ class TrainConfig:
 
 
 def normalize_report_to(value: str | list[str]) -> list[str]:
-    """'wandb', 'wandb,tensorboard', ['wandb'], 'all' or 'none' -> a list of tracker names."""
+    """'wandb', 'wandb,mlflow', ['wandb'], 'all' or 'none' -> a list of Accelerate tracker names.
+
+    'all' means the trackers whose packages are installed, as Accelerate picks them. A tracker named here whose
+    package is missing is an error now, before anything is written: Accelerate itself would drop it silently.
+    """
+    from accelerate import tracking
+    from accelerate.utils import LoggerType
+
     names = [n.strip() for n in (value.split(",") if isinstance(value, str) else value) if n.strip()]
     if names in ([], ["none"]):
         return []
-    if names == ["all"]:
-        return list(TRACKERS)
-    unknown = sorted(set(names) - set(TRACKERS))
-    if unknown:
-        raise UsageError(f"unknown --report_to {', '.join(unknown)}; use {', '.join(TRACKERS)}, all or none")
-    return names
+    installed = [str(t) for t in tracking.get_available_trackers()]
+    if "all" in names:
+        return [name for name in LoggerType.list() if name in installed]
+    known = [name for name in LoggerType.list() if name != "all"]
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise UsageError(f"unknown --report_to {name}; {hint}use {', '.join(known)}, all or none")
+        if name not in installed:
+            raise UsageError(f"--report_to {name} needs its package: pip install {name}")
+    return list(dict.fromkeys(names))
 
 
 def resolve_global_batch(config: TrainConfig, num_processes: int) -> int:

@@ -1,4 +1,4 @@
-"""What the main process alone writes: console lines, `metrics.jsonl`, wandb/tensorboard, the progress bar.
+"""What the main process alone writes: console lines, `metrics.jsonl`, trackers (wandb, mlflow, ...), the progress bar.
 
 The rule lives here, once: `setup_logging` silences every other process's console, Accelerate's `log` and
 `init_trackers` already run on the main process only, and the progress bar is disabled elsewhere. The training
@@ -27,6 +27,7 @@ def setup_logging(accelerator) -> None:
     level = logging.INFO if accelerator.is_main_process else logging.ERROR
     logging.basicConfig(format="%(asctime)s %(message)s", datefmt="%H:%M:%S", level=level, force=True)
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its INFO lines repeat ours, some wrongly
+    logging.getLogger("accelerate.tracking").setLevel(logging.ERROR)  # "dropped a string" for setup/device etc.
     if not accelerator.is_main_process:
         import warnings
 
@@ -76,12 +77,29 @@ def start_tracking(accelerator, config: TrainConfig, resume_run_id: str | None =
         configure_wandb(config)
         if resume_run_id:
             wandb_kwargs |= {"id": resume_run_id, "resume": "allow"}
-    accelerator.init_trackers(
-        config.project_name, config=loggable(config.to_dict()), init_kwargs={"wandb": wandb_kwargs}
-    )
+    if "mlflow" in config.report_to and accelerator.is_main_process:
+        configure_mlflow(config)
+    mlflow_tags = {tag: "true" for tag in config.run_tags} | ({"group": config.run_group} if config.run_group else {})
+    init_kwargs = {
+        "wandb": wandb_kwargs,
+        "mlflow": {"run_name": config.run_name, "tags": mlflow_tags},
+        "dvclive": {"dir": str(Path(config.output_dir) / "dvclive")},  # not ./dvclive in the working directory
+    }
+    accelerator.init_trackers(config.project_name, config=loggable(config.to_dict()), init_kwargs=init_kwargs)
     if "wandb" in config.report_to and accelerator.is_main_process:
         return accelerator.get_tracker("wandb", unwrap=True).id
     return resume_run_id
+
+
+def configure_mlflow(config: TrainConfig) -> None:
+    """No MLFLOW_TRACKING_URI: a local store in output_dir (SQLite: MLflow 3 refuses a new ./mlruns file store)."""
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return
+    import mlflow
+
+    uri = f"sqlite:///{Path(config.output_dir).resolve() / 'mlflow.db'}"
+    mlflow.set_tracking_uri(uri)
+    logger.info("mlflow: logging to %s; browse with `mlflow ui --backend-store-uri %s`", uri, uri)
 
 
 def configure_wandb(config: TrainConfig) -> None:

@@ -26,7 +26,7 @@ def test_yaml_then_command_line_override(tmp_path):
         ("", ["--norm", "layer"], "norm"),
         ("", ["--learning_rate", "0"], "--learning_rate must be > 0"),
         ("", ["--max_steps", "-5"], "--max_steps must be > 0"),
-        ("", ["--report_to", "mlflow"], "unknown --report_to mlflow"),
+        ("", ["--report_to", "mlfow"], "unknown --report_to mlfow; did you mean mlflow?"),
         ("key: [unclosed\n", [], "config"),
     ],
 )
@@ -53,7 +53,7 @@ def test_global_batch_not_divisible_names_the_fix():
 
 def test_report_to_forms():
     assert TrainConfig(report_to="none").report_to == []
-    assert TrainConfig(report_to="all").report_to == ["wandb", "tensorboard"]
+    assert {"wandb", "tensorboard"} <= set(TrainConfig(report_to="all").report_to)  # all: every installed tracker
     assert TrainConfig(report_to="wandb,tensorboard").report_to == ["wandb", "tensorboard"]
 
 
@@ -66,5 +66,7 @@ def test_default_yaml_matches_dataclass_defaults():
 def test_every_yaml_file_parses():
     """Each config (the debug overlays on top of the default) parses: no unknown key, every value of its type."""
     for path in (REPO / "configs").rglob("*.yaml"):
+        if path.parent.name == "sweep":
+            continue  # search spaces: tests/test_sweep.py
         base = [] if "task" in yaml.safe_load(path.read_text()) else ["--config", str(REPO / "configs/default.yaml")]
         parse_config([*base, "--config", str(path)])

@@ -54,7 +54,7 @@ CASES = {
         lambda t: ["--dataset_name", "someone/not-cached", "--data_files", "null"],
         r"not in the local cache and HF_HUB_OFFLINE",
     ),
-    "unknown report_to": (lambda t: ["--report_to", "mlflow"], r"unknown --report_to mlflow"),
+    "unknown report_to": (lambda t: ["--report_to", "tensorbord"], r"unknown --report_to tensorbord; did you mean"),
     "resume from nothing": (
         lambda t: ["--resume_from_checkpoint", str(t / "ckpt")],
         r"not a complete checkpoint .*'latest'",

@@ -1,4 +1,5 @@
-"""Tracking never blocks a job: wandb without credentials goes offline, tensorboard and metrics.jsonl agree."""
+"""Tracking never blocks a job: wandb without credentials goes offline; tensorboard, mlflow and metrics.jsonl agree;
+every tracker Accelerate knows is accepted by name, and one whose package is missing is one clear error."""
 
 import re
 import shlex
@@ -6,9 +7,11 @@ import shutil
 
 import pytest
 
-from src.config import TrainConfig
+from src.config import TrainConfig, parse_config
+from src.errors import UsageError
 from tests.conftest import (
     QUICK,
+    REPO,
     assert_ok,
     assert_processes,
     launch_command,
@@ -140,3 +143,53 @@ def test_progress_bar_in_a_terminal_and_plain_lines_otherwise(tmp_path):
     logs = captured.stdout + captured.stderr
     assert not PROGRESS_BAR.search(logs) and "step/s" not in logs and "\r" not in logs
     assert [int(step) for step in re.findall(r"step (\d+) \| train/loss", logs)] == [2, 4, 6]  # plain lines
+
+
+def installed_trackers() -> list[str]:
+    from accelerate.tracking import get_available_trackers
+
+    return [str(tracker) for tracker in get_available_trackers()]
+
+
+def accelerate_tracker_names() -> list[str]:
+    from accelerate.utils import LoggerType
+
+    return [name for name in LoggerType.list() if name != "all"]
+
+
+@pytest.mark.parametrize("name", accelerate_tracker_names())
+def test_every_accelerate_tracker_name_is_accepted_or_names_its_package(name):
+    if name in installed_trackers():
+        assert TrainConfig(report_to=name).report_to == [name]
+    else:  # Accelerate would drop it without a word; the run would then log nowhere the user looks
+        with pytest.raises(UsageError, match=rf"^--report_to {name} needs its package: pip install {name}$"):
+            parse_config(["--report_to", name])
+
+
+def test_all_means_the_installed_trackers_and_a_missing_one_is_an_error(monkeypatch):
+    assert sorted(TrainConfig(report_to="all").report_to) == sorted(installed_trackers())
+    monkeypatch.setattr("accelerate.tracking.get_available_trackers", lambda: ["wandb"])  # as without mlflow
+    assert TrainConfig(report_to="all").report_to == ["wandb"]
+    with pytest.raises(UsageError, match="--report_to mlflow needs its package: pip install mlflow"):
+        TrainConfig(report_to="wandb,mlflow")
+
+
+@pytest.mark.slow
+def test_mlflow_offline_store_in_output_dir_holds_the_metrics_of_one_run(tmp_path):
+    """Two processes, no MLFLOW_TRACKING_URI: one MLflow run in output_dir/mlflow.db with metrics.jsonl's values."""
+    from mlflow import MlflowClient
+
+    out = tmp_path / "run"
+    args = [*QUICK, "--output_dir", str(out), "--report_to", "mlflow", "--run_name", "r1", "--run_group", "sweep1"]
+    in_repo = {name: (REPO / name).exists() for name in ("mlruns", "mlflow.db")}
+    assert_ok(run_command([*launch_command(2), *args], env={"MLFLOW_TRACKING_URI": None}))
+    assert_processes(out, 2)
+    assert {name: (REPO / name).exists() for name in in_repo} == in_repo  # nothing in the working directory
+    client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name(TrainConfig.project_name).experiment_id])
+    assert (run.info.run_name, run.info.status, run.data.tags["group"]) == ("r1", "FINISHED", "sweep1")
+    assert float(run.data.params["learning_rate"]) == TrainConfig.learning_rate
+    rows = read_metrics(out)
+    for key in ("train/loss", "eval/accuracy"):
+        logged = {metric.step: metric.value for metric in client.get_metric_history(run.info.run_id, key)}
+        assert logged == pytest.approx(series(rows, key), rel=1e-6) and logged
