@@ -251,10 +251,12 @@ def evaluate_and_predict(config: TrainConfig) -> dict:
     model = task.load_model(config.model_name_or_path)
     metric = load_metrics(task.metrics if config.metrics is None else config.metrics)
     model, eval_loader, test_loader = accelerator.prepare(model, eval_loader, test_loader)
-    logger.info("evaluating %s", config.model_name_or_path)
+    logger.info("using the model in %s; nothing is trained", config.model_name_or_path)
     with task_errors(task):
-        metrics = evaluate(task, model, eval_loader, metric, accelerator) if config.do_eval else {}
-        log_metrics(accelerator, metrics, step=0)
+        metrics = {}
+        if config.do_eval:
+            metrics = evaluate(task, model, eval_loader, metric, accelerator)
+            log_metrics(accelerator, metrics, step=0)
         return finish(accelerator, config, task, model, metric, metrics, eval_loader, test_loader, step=0)
 
 
