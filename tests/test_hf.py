@@ -204,6 +204,25 @@ print(total / count)
 
 
 @pytest.mark.slow
+def test_language_model_generates_the_same_text_on_1_and_2_processes(modeled, tmp_path):
+    """--do_predict with a language model: greedy continuations of 7 prompts (a prime: uneven shards), one row each,
+    in order, the same on 1 and 2 processes; a prompt longer than the context keeps its end."""
+    prompts = tmp_path / "prompts.jsonl"
+    texts = ["def", "import os", "# a comment", "return x", "class A:", "x = 1", "for i in " * 40]
+    prompts.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    rows = {}
+    for processes in (1, 2):
+        out = tmp_path / f"p{processes}"
+        assert_ok(run_train("--task", "language_modeling", "--do_train", "false", "--do_eval", "false",
+                            "--do_predict", "true", "--model_name_or_path", str(modeled[1]), "--block_size", "64",
+                            "--max_new_tokens", "8", "--data_files", f"{{test: {prompts}}}", "--output_dir", str(out),
+                            "--per_device_eval_batch_size", "2", processes=processes))  # fmt: skip
+        rows[processes] = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert len(rows[1]) == len(texts) and rows[1] == rows[2]
+    assert all(isinstance(row["generated"], str) for row in rows[1]) and any(row["generated"] for row in rows[1])
+
+
+@pytest.mark.slow
 def test_saved_language_model_reproduces_the_eval_loss(modeled, assets):
     result = run_python("-c", LM_EVAL, str(modeled[2] / "model"), assets["eval"])
     assert_ok(result)

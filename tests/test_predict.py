@@ -292,3 +292,24 @@ def test_readme_use_your_trained_model_commands_run(tmp_path):
     assert eval_results(runs / "digits")["eval/num_samples"] == 359
     assert len(predictions(runs / "digits")) == 359
     assert [row for row in read_metrics(runs / "digits_best") if "best_model/step" in row or "eval/loss" in row]
+
+
+@pytest.mark.slow
+def test_byte_language_model_generates_the_same_text_on_1_and_3_processes(tmp_path):
+    """causal_lm --do_predict: greedy bytes after each of 5 prompts, left-padded to one length; rows in order."""
+    args = ["--task", "causal_lm", "--config", "configs/lm.yaml", "--n_layer", "1", "--n_embd", "32",
+            "--max_train_tokens", "40000", "--max_eval_tokens", "5000"]  # fmt: skip
+    assert_ok(run_train(*args, "--max_steps", "30", "--learning_rate", "1e-2", "--output_dir", str(tmp_path / "lm")))
+    prompts = tmp_path / "prompts.jsonl"
+    texts = ["def main():\n    ", "import ", "", "    return self.", "x" * 500]
+    prompts.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    rows = {}
+    for processes in (1, 3):
+        out = tmp_path / f"p{processes}"
+        predict_args = ["--do_train", "false", "--do_eval", "false", "--do_predict", "true", "--max_new_tokens", "16",
+                        "--model_name_or_path", str(tmp_path / "lm"), "--data_files", f"{{test: {prompts}}}",
+                        "--output_dir", str(out)]  # fmt: skip
+        assert_ok(run_train(*args, *predict_args, processes=processes))
+        rows[processes] = predictions(out)
+    assert len(rows[1]) == len(texts) and rows[1] == rows[3]
+    assert any(row["generated"].strip() for row in rows[1])  # 30 steps learn some bytes of Python

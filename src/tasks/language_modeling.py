@@ -45,6 +45,7 @@ class LanguageModeling(HuggingFaceTask):
         block_size: int | None = None  # tokens per sample; None: the tokenizer's model_max_length, at most 1024
         packing: bool = True  # join texts and cut full blocks (run_clm); false: one text per sample, padded
         dropout: float | None = None  # every dropout probability of the model; None: the model's own
+        max_new_tokens: int = 32  # --do_predict: tokens generated (greedily) after each text of the predicted split
 
         def __post_init__(self):
             if self.block_size is not None and self.block_size < 2:
@@ -60,10 +61,27 @@ class LanguageModeling(HuggingFaceTask):
             return self.tokenize(train), self.tokenize(evals)
 
     def build_eval_dataset(self, split: str, labelled: bool = True):
+        """Blocks to evaluate; or, only to predict, one prompt per text (see `prompts`)."""
         (data,) = self.load_text_splits([self.options.text_column], "--text_column", [split])
         self.set_block_size()
         with main_process_first():
-            return self.tokenize(data)
+            return self.tokenize(data) if labelled else self.prompts(data)
+
+    def prompts(self, split):
+        """Each text's last block_size - max_new_tokens tokens, left-padded to that length (with the attention
+        mask), so that every batch has one shape and generation continues right after the text."""
+        length = self.block_size - self.options.max_new_tokens
+        if length < 1:
+            raise UsageError(f"--max_new_tokens {self.options.max_new_tokens} leaves no room for a prompt in "
+                             f"--block_size {self.block_size}")  # fmt: skip
+        pad = self.tokenizer.pad_token_id
+
+        def encode(rows: dict) -> dict:
+            tails = [ids[-length:] for ids in self.tokenizer(rows[self.options.text_column])["input_ids"]]
+            return {"input_ids": [[pad] * (length - len(ids)) + ids for ids in tails],
+                    "attention_mask": [[0] * (length - len(ids)) + [1] * len(ids) for ids in tails]}  # fmt: skip
+
+        return split.map(encode, batched=True, remove_columns=split.column_names, desc="tokenizing prompts")
 
     def set_block_size(self) -> None:
         """The tokenizer's padding, the model's config (read once: build_model uses it too), and block_size."""
@@ -126,6 +144,23 @@ class LanguageModeling(HuggingFaceTask):
     def eval_outputs(self, model: nn.Module, batch) -> dict[str, torch.Tensor]:
         losses, counted = self.token_losses(model, batch)
         return {"loss": losses.sum(dim=1), "weight": counted.sum(dim=1).float()}  # eval/loss: the mean per token
+
+    @torch.no_grad()
+    def predict(self, model: nn.Module, batch) -> dict[str, torch.Tensor]:
+        """Greedy `generate` (the same on any process count), padded to max_new_tokens so batches gather."""
+        new_tokens = self.options.max_new_tokens
+        from accelerate.utils import extract_model_from_parallel
+
+        generator = extract_model_from_parallel(model)  # DDP's wrapper has no generate()
+        output = generator.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                    max_new_tokens=new_tokens, do_sample=False,
+                                    pad_token_id=self.tokenizer.pad_token_id)  # fmt: skip
+        generated = output[:, batch["input_ids"].shape[1] :]
+        return {"generated": F.pad(generated, (0, new_tokens - generated.shape[1]), value=self.tokenizer.pad_token_id)}
+
+    def prediction_rows(self, outputs: dict[str, torch.Tensor]) -> list[dict]:
+        texts = self.tokenizer.batch_decode(outputs["generated"], skip_special_tokens=True)
+        return [{"generated": text} for text in texts]
 
     def derived_metrics(self, scores: dict) -> dict:
         return {"eval/perplexity": math.exp(min(scores["eval/loss"], 700))}
