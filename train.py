@@ -32,7 +32,7 @@ from src.checkpoint import (
     save_final_model,
 )
 from src.config import TrainConfig, parse_config, resolve
-from src.data import build_dataloaders, check_first_batch, check_split_sizes
+from src.data import build_dataloaders, check_first_batch, check_split_sizes, train_data
 from src.distributed import DirectOptimizer, build_accelerator, enable_gradient_checkpointing, sync_batchnorm
 from src.errors import TrainingPreempted, command_line
 from src.meters import LossWindow, StepTimer, peak_memory_gb, step_profiler, throughput_metrics
@@ -81,7 +81,8 @@ def train(config: TrainConfig) -> dict:
     # --- the task: data, model, metric; then the optimiser ---
     check_hub_push(config)
     task = build_task(config)
-    train_loader, eval_loader = build_dataloaders(*task.build_datasets(), config, task.collate_fn())
+    collate_fn = task.collate_fn()
+    train_loader, eval_loader = build_dataloaders(*task.build_datasets(), config, collate_fn)
     check_split_sizes(train_loader, eval_loader, global_batch, accelerator.num_processes)
     check_first_batch(train_loader, task)
     model = sync_batchnorm(task.build_model(), accelerator)
@@ -92,6 +93,7 @@ def train(config: TrainConfig) -> dict:
         model, build_optimizer(model, config), train_loader, eval_loader
     )
     optimizer = DirectOptimizer(accelerator, model, optimizer)  # backward / clip / step without wrapper overhead
+    data = train_data(accelerator, train_loader, config, collate_fn)  # in-memory tensors: a batch is one gather
 
     # --- how long: counted in optimiser steps, each seeing the same global batch on any process count ---
     steps_per_epoch = len(train_loader) // accumulation  # a trailing partial window is skipped, see distributed.py
@@ -120,19 +122,21 @@ def train(config: TrainConfig) -> dict:
     throughput = throughput_metrics(task, accelerator)  # tokens/s and MFU for tasks that count tokens
     early_stopping = EarlyStopping(config, state)
     progress = progress_bar(accelerator, total_steps, initial=step)
+    norm_every_step = bool(config.max_grad_norm or config.skip_nonfinite_batches)  # else at log steps only
     profiler = step_profiler(config, accelerator)
     profiler.start()
     export = partial(task.save_model, accelerator, model) if task.export_checkpoints else None  # e.g. HF format
     model.train()
     # SIGTERM/SIGUSR1 -> checkpoint (handlers restored however we leave); an error in the task's code -> one line
     with PreemptionSignals(accelerator) as preemption, task_errors(task):
-        batches = train_batches(accelerator, task, train_loader, step, steps_per_epoch) if step < total_steps else []
+        batches = train_batches(accelerator, task, data, step, steps_per_epoch) if step < total_steps else []
         for batch, scale in batches:  # none when resuming a run that has finished: it evaluates and saves again
             with optimizer.accumulate(model):  # accelerator.accumulate: gradients sync on the window's last batch
                 loss = task.loss(model, batch) if scale is None else task.loss(model, batch) * scale  # summed losses
                 optimizer.backward(loss)
                 if accelerator.sync_gradients:
-                    grad_norm = optimizer.clip_grad_norm(config.max_grad_norm or math.inf)
+                    log_now = (step + 1) % config.logging_steps == 0 or step + 1 == total_steps
+                    grad_norm = optimizer.clip_grad_norm(config.max_grad_norm) if norm_every_step or log_now else None
                     skip = config.skip_nonfinite_batches and not is_finite(grad_norm)  # a host sync: only if asked
                     if skip:  # the same on every process: the norm is of the all-reduced gradients
                         optimizer.zero_grad()
@@ -147,7 +151,7 @@ def train(config: TrainConfig) -> dict:
             step += 1
             progress.update()
             profiler.step()
-            if step % config.logging_steps == 0 or step == total_steps:
+            if log_now:
                 train_loss = losses.mean(next_step=step + 1)  # waits for the device: time after it
                 step_time = timer.seconds_per_step(step)
                 log_metrics(accelerator, {
@@ -193,7 +197,7 @@ def train(config: TrainConfig) -> dict:
     return final_metrics
 
 
-def train_batches(accelerator, task, train_loader, start_step: int, steps_per_epoch: int):
+def train_batches(accelerator, task, data, start_step: int, steps_per_epoch: int):
     """(micro-batch, scale) in whole accumulation windows, epoch after epoch, from the one after `start_step`'s.
 
     The seedable sampler's permutation is a function of the seed and the epoch, so a resumed run skips exactly
@@ -205,10 +209,8 @@ def train_batches(accelerator, task, train_loader, start_step: int, steps_per_ep
     accumulation = accelerator.gradient_accumulation_steps
     epoch, steps_done = divmod(start_step, steps_per_epoch)
     while True:
-        train_loader.set_epoch(epoch)
         seen = steps_done * accumulation
-        batches = islice(accelerator.skip_first_batches(train_loader, seen) if seen else train_loader,
-                         (steps_per_epoch - steps_done) * accumulation)  # fmt: skip
+        batches = islice(data.epoch(epoch, skip=seen), steps_per_epoch * accumulation - seen)
         if task.loss_reduction == "mean":
             yield from zip(batches, repeat(None))  # C-level pairing: no Python frame per batch
         else:
