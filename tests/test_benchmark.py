@@ -17,7 +17,8 @@ def test_benchmark_writes_its_report(tmp_path):
     assert_ok(result)
     report = json.loads(output.read_text())
     assert report["settings"] == {"model": "linear", "rounds": 2, "steps": 40, "batch": 64, "processes": 1,
-                                  "device": "cpu", "conditions": ["default", "tuned"], "max_grad_norm": 1.0}  # fmt: skip
+                                  "device": "cpu", "conditions": ["default", "tuned"],
+                                  "max_grad_norm": 1.0}  # fmt: skip
     assert list(report["conditions"]) == ["default", "tuned"]
     for condition, measured in report["conditions"].items():
         runs = {side: measured[side]["runs"] for side in ("raw", "raw_index", "template")}
