@@ -21,7 +21,7 @@ lint:             ## ruff lint and format check
 format:           ## ruff autofix and format
 	$(PY) -m ruff check --fix . && $(PY) -m ruff format .
 
-benchmark:        ## the template's loop vs a raw PyTorch loop
+benchmark:        ## the template vs a textbook and an index-batching raw PyTorch loop
 	$(PY) scripts/benchmark.py --output runs/benchmark.json
 
 config-reference: ## regenerate the config table in README.md from src/config.py

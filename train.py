@@ -40,7 +40,14 @@ from src.checkpoint import (
     write_atomically,
 )
 from src.config import TrainConfig, parse_config, resolve
-from src.data import build_dataloaders, build_eval_loader, check_first_batch, check_split_sizes, has_split
+from src.data import (
+    build_dataloaders,
+    build_eval_loader,
+    check_first_batch,
+    check_split_sizes,
+    has_split,
+    train_data,
+)
 from src.distributed import (
     DirectOptimizer,
     build_accelerator,
@@ -98,7 +105,8 @@ def train(config: TrainConfig) -> dict:
     check_hub_push(config)
     task = build_task(config)
     on_gpu = accelerator.device.type == "cuda"
-    train_loader, eval_loader = build_dataloaders(*task.build_datasets(), config, task.collate_fn(), pin_memory=on_gpu)
+    collate_fn = task.collate_fn()
+    train_loader, eval_loader = build_dataloaders(*task.build_datasets(), config, collate_fn, pin_memory=on_gpu)
     check_split_sizes(train_loader, eval_loader, global_batch, accelerator.num_processes)
     check_first_batch(train_loader, task)
     test_loader = build_test_loader(task, config, pin_memory=on_gpu)  # None when the data has no test split
@@ -111,6 +119,7 @@ def train(config: TrainConfig) -> dict:
         model, build_optimizer(model, config, fused=on_gpu), train_loader, eval_loader, test_loader
     )
     optimizer = DirectOptimizer(accelerator, model, optimizer)  # backward / clip / step without wrapper overhead
+    data = train_data(accelerator, train_loader, config, collate_fn)  # in-memory tensors: a batch is one gather
     saved_model = model  # what the final model and exports save: the plain module, with or without compilation
     if config.torch_compile:
         model = compile_model(model, accelerator, config.torch_compile_mode)  # the steps and evaluation, compiled
@@ -142,21 +151,23 @@ def train(config: TrainConfig) -> dict:
     throughput = throughput_metrics(task, accelerator)  # tokens/s and MFU for tasks that count tokens
     early_stopping = EarlyStopping(config, state)
     best_model = BestModel(config, state)  # metric_for_best_model: a new best is checkpointed and kept
-    final_metrics = {}
+    eval_metrics = {}  # the latest evaluation's
     progress = progress_bar(accelerator, total_steps, initial=step)
+    norm_every_step = bool(config.max_grad_norm or config.skip_nonfinite_batches)  # else at log steps only
     profiler = step_profiler(config, accelerator)
     profiler.start()
     export = partial(task.save_model, accelerator, saved_model) if task.export_checkpoints else None  # e.g. HF format
     model.train()
     # SIGTERM/SIGUSR1 -> checkpoint (handlers restored however we leave); an error in the task's code -> one line
     with PreemptionSignals(accelerator) as preemption, task_errors(task):
-        batches = train_batches(accelerator, task, train_loader, step, steps_per_epoch) if step < total_steps else []
+        batches = train_batches(accelerator, task, data, step, steps_per_epoch) if step < total_steps else []
         for batch, scale in batches:  # none when resuming a run that has finished: it evaluates and saves again
             with optimizer.accumulate(model):  # accelerator.accumulate: gradients sync on the window's last batch
                 loss = task.loss(model, batch) if scale is None else task.loss(model, batch) * scale  # summed losses
                 optimizer.backward(loss)
                 if accelerator.sync_gradients:
-                    grad_norm = optimizer.clip_grad_norm(config.max_grad_norm or math.inf)
+                    log_now = (step + 1) % config.logging_steps == 0 or step + 1 == total_steps
+                    grad_norm = optimizer.clip_grad_norm(config.max_grad_norm) if norm_every_step or log_now else None
                     skip = config.skip_nonfinite_batches and not is_finite(grad_norm)  # a host sync: only if asked
                     if skip:  # the same on every process: the norm is of the all-reduced gradients
                         optimizer.zero_grad()
@@ -171,7 +182,7 @@ def train(config: TrainConfig) -> dict:
             step += 1
             progress.update()
             profiler.step()
-            if step % config.logging_steps == 0 or step == total_steps:
+            if log_now:
                 train_loss = losses.mean(next_step=step + 1)  # waits for the device: time after it
                 step_time = timer.seconds_per_step(step)
                 log_metrics(accelerator, {
@@ -190,11 +201,11 @@ def train(config: TrainConfig) -> dict:
             new_best = False
             if config.do_eval and (step % config.eval_steps == 0 or step == total_steps):
                 with timer.paused():
-                    final_metrics = evaluate(task, model, eval_loader, metric, accelerator)
-                    log_metrics(accelerator, final_metrics, step)
+                    eval_metrics = evaluate(task, model, eval_loader, metric, accelerator)
+                    log_metrics(accelerator, eval_metrics, step)
                 # the metrics are gathered from all processes, so every process gets the same answer
-                new_best = best_model.improved(final_metrics, step)
-                if early_stopping.should_stop(final_metrics, step):
+                new_best = best_model.improved(eval_metrics, step)
+                if early_stopping.should_stop(eval_metrics, step):
                     total_steps = step  # finish here: the final checkpoint and model follow
             preempted = preemption.requested(step)
             if preempted or new_best or step == total_steps or (config.save_steps and step % config.save_steps == 0):
@@ -210,6 +221,7 @@ def train(config: TrainConfig) -> dict:
         profiler.stop()
 
         # --- the final model: the best one if asked; test split, predictions (a signal now changes nothing) ---
+        final_metrics = eval_metrics  # the last step's
         if config.do_eval and not final_metrics:  # a finished run resumed: nothing trained, evaluate again
             final_metrics = evaluate(task, model, eval_loader, metric, accelerator)
             log_metrics(accelerator, final_metrics, step)
@@ -286,7 +298,7 @@ def finish(accelerator, config: TrainConfig, task, model, metric, metrics: dict,
     return metrics
 
 
-def train_batches(accelerator, task, train_loader, start_step: int, steps_per_epoch: int):
+def train_batches(accelerator, task, data, start_step: int, steps_per_epoch: int):
     """(micro-batch, scale) in whole accumulation windows, epoch after epoch, from the one after `start_step`'s.
 
     The seedable sampler's permutation is a function of the seed and the epoch, so a resumed run skips exactly
@@ -298,10 +310,8 @@ def train_batches(accelerator, task, train_loader, start_step: int, steps_per_ep
     accumulation = accelerator.gradient_accumulation_steps
     epoch, steps_done = divmod(start_step, steps_per_epoch)
     while True:
-        train_loader.set_epoch(epoch)
         seen = steps_done * accumulation
-        batches = islice(accelerator.skip_first_batches(train_loader, seen) if seen else train_loader,
-                         (steps_per_epoch - steps_done) * accumulation)  # fmt: skip
+        batches = islice(data.epoch(epoch, skip=seen), steps_per_epoch * accumulation - seen)
         if task.loss_reduction == "mean":
             yield from zip(batches, repeat(None))  # C-level pairing: no Python frame per batch
         else:

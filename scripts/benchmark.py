@@ -5,14 +5,17 @@
     python scripts/benchmark.py --processes 2                   # DDP on CPU (gloo) through the launchers
     python scripts/benchmark.py --device cuda                   # on a GPU
 
-Each round runs (a) a minimal raw PyTorch loop and (b) `train.main`, the code `python train.py` runs, each in a
-fresh process, in the order a b a b ... Both train the same model on the same data with the same batch, optimiser,
-LR schedule and clipping, and run with the same allocator settings. Both are timed the same way: a timestamp at
-every optimiser step (the LR scheduler's step); steady-state samples/s is taken over the steps after the first
-quarter. Reported: `ratio`, the median over rounds of b/a within each round (the pair is seconds apart, so drift of
-the machine cancels), the round ratios, samples/s per side (median, min, max over rounds), time from process start
-to the first optimiser step, and peak memory (CUDA allocated, or the process's resident set on CPU); each side's
-`runs` hold every round's numbers, with `steps`, the optimiser steps the run recorded (both sides: --steps).
+Three sides train the same model on the same data with the same batch, optimiser, LR schedule and clipping:
+`raw`, a minimal PyTorch loop over a DataLoader (the naive hand-written loop); `raw_index`, the same loop batching
+by index (one gather per batch from the tensors: the best raw loop); `template`, `train.main`, what
+`python train.py` runs. Each runs in a fresh process, in the order raw, raw_index, template, raw, ... under each of
+two conditions: `default`, what a user gets (torch's default threads, no allocator settings), and `tuned` (one
+thread per process and the allocator settings below: the least noisy). Samples/s is timed at every optimiser step
+(the LR scheduler's step), over the steps after the first quarter. Reported per condition and side: samples/s
+(median, min, max over rounds), time from the spawn to the first optimiser step, whole-process wall (spawn to exit),
+peak memory (CUDA allocated, or the resident set of the process, rank 0 on N processes); and the ratios of each
+round's pair of runs (seconds apart, so drift of the machine cancels), their median as `ratios`. `runs` hold every
+run's numbers, with `steps`, the optimiser steps it recorded (every side: --steps).
 """
 
 import time
@@ -32,28 +35,34 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
+SIDES = ("raw", "raw_index", "template")
+CONDITIONS = ("default", "tuned")
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["cnn", "linear"], default="cnn")
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--steps", type=int, help="optimiser steps per run (default: 400 cnn, 2000 linear)")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, help="optimiser steps per run (default: 600 cnn, 3000 linear)")
     parser.add_argument("--batch", type=int, default=64, help="global batch")
     parser.add_argument("--processes", type=int, default=1)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per process (1: least noisy)")
+    parser.add_argument("--conditions", nargs="+", choices=CONDITIONS, default=list(CONDITIONS))
+    parser.add_argument("--max_grad_norm", type=float, default=1.0, help="clipping on every side (0: none)")
     parser.add_argument("--output", type=Path, help="write the results as JSON here")
-    parser.add_argument("--child", choices=["raw", "template"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, help=argparse.SUPPRESS)  # the child's: None is torch's default
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.steps = args.steps or (400 if args.model == "cnn" else 2000)
+    args.steps = args.steps or (600 if args.model == "cnn" else 3000)
     return args
 
 
-# --- what both sides share: timestamps at each optimiser step, the settings ---
+# --- what all sides share: timestamps at each optimiser step, the settings ---
 
 
 def record_step_times() -> list[float]:
-    """Timestamp every LR scheduler step (once per optimiser step on both sides); the constructor's call is skipped."""
+    """Timestamp every LR scheduler step (once per optimiser step on each side); the constructor's call is skipped."""
     import torch
 
     times: list[float] = []
@@ -69,15 +78,12 @@ def record_step_times() -> list[float]:
     return times
 
 
-def summarize(times: list[float], batch: int) -> dict:
+def summarize(times: list[float], batch: int, device) -> dict:
+    from src.meters import peak_memory_gb
+
     steady = times[len(times) // 4 :]
-    return {"samples_per_s": (len(steady) - 1) * batch / (steady[-1] - steady[0]), "steps": len(times)}
-
-
-def peak_memory_gb(device) -> float:
-    from src.meters import peak_memory_gb as measure
-
-    return measure(device)
+    return {"samples_per_s": (len(steady) - 1) * batch / (steady[-1] - steady[0]), "steps": len(times),
+            "first_step_at": STARTED + (times[0] - START_PERF), "peak_memory_gb": peak_memory_gb(device)}  # fmt: skip
 
 
 def training_config(args, output_dir: str):
@@ -87,14 +93,14 @@ def training_config(args, output_dir: str):
     return resolve(TrainConfig(
         output_dir=output_dir, task_args={"model": args.model}, max_steps=args.steps, global_batch_size=args.batch,
         per_device_train_batch_size=args.batch // world, logging_steps=50, eval_steps=10**9, save_steps=0,
-        save_total_limit=None, report_to="none",
+        save_total_limit=None, report_to="none", max_grad_norm=args.max_grad_norm,
     ))  # fmt: skip
 
 
-# --- (a) the raw loop ---
+# --- the raw loops: (a) over a DataLoader, (b) by index ---
 
 
-def run_raw(args) -> dict:
+def run_raw(args, by_index: bool) -> dict:
     import pyarrow.parquet as pq
     import torch
     import torch.distributed as dist
@@ -105,18 +111,34 @@ def run_raw(args) -> dict:
     from src.tasks import build_task
 
     times = record_step_times()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", "0")) if args.device == "cuda" else None)
     if world > 1:
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     config = training_config(args, "unused")
     table = pq.read_table(REPO / "data/digits/train.parquet").to_pydict()
     images = torch.tensor(table["pixels"], dtype=torch.float32).div(16.0).view(-1, 1, 8, 8)
-    dataset = TensorDataset(images, torch.tensor(table["label"]))
-    sampler = DistributedSampler(dataset, seed=config.seed, drop_last=True) if world > 1 else None
-    loader = DataLoader(
-        dataset, batch_size=args.batch // world, shuffle=sampler is None, sampler=sampler, drop_last=True
-    )
+    labels = torch.tensor(table["label"])
+    batch = args.batch // world
+    if by_index:  # (b): the data on the device, a batch is one gather by a slice of the epoch's permutation
+        images, labels = images.to(device), labels.to(device)
+        generator = torch.Generator().manual_seed(config.seed)
+        per_epoch = len(labels) // args.batch
+
+        def epoch_batches(epoch: int):
+            order = torch.randperm(len(labels), generator=generator)[: per_epoch * args.batch].to(device)
+            for indices in order[rank::world].split(batch):  # this process's share of each global batch
+                yield images[indices], labels[indices]
+    else:  # (a): the textbook loop, a DataLoader over a TensorDataset
+        dataset = TensorDataset(images, labels)
+        sampler = DistributedSampler(dataset, seed=config.seed, drop_last=True) if world > 1 else None
+        loader = DataLoader(dataset, batch_size=batch, shuffle=sampler is None, sampler=sampler, drop_last=True)
+
+        def epoch_batches(epoch: int):
+            if sampler is not None:
+                sampler.set_epoch(epoch)
+            for inputs, targets in loader:
+                yield inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
 
     torch.manual_seed(config.seed)
     model = build_task(config).build_model().to(device)  # the same network, none of the template's loop
@@ -126,13 +148,11 @@ def run_raw(args) -> dict:
         model = torch.nn.parallel.DistributedDataParallel(model)
     step, epoch, loss_sum = 0, 0, torch.zeros((), device=device)
     while step < args.steps:
-        if sampler is not None:
-            sampler.set_epoch(epoch)
-        for inputs, labels in loader:
-            inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-            loss = F.cross_entropy(model(inputs), labels)
+        for inputs, targets in epoch_batches(epoch):
+            loss = F.cross_entropy(model(inputs), targets)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+            if config.max_grad_norm:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
@@ -144,11 +164,10 @@ def run_raw(args) -> dict:
             if step == args.steps:
                 break
         epoch += 1
-    return {**summarize(times, args.batch), "first_step_at": STARTED + (times[0] - START_PERF),
-            "peak_memory_gb": peak_memory_gb(device)}  # fmt: skip
+    return summarize(times, args.batch, device)
 
 
-# --- (b) the template: train.main, exactly what `python train.py` runs ---
+# --- (c) the template: train.main, exactly what `python train.py` runs ---
 
 
 def run_template(args) -> dict:
@@ -160,15 +179,15 @@ def run_template(args) -> dict:
     import torch
 
     device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", "0")) if args.device == "cuda" else None)
-    return {**summarize(times, args.batch), "first_step_at": STARTED + (times[0] - START_PERF),
-            "peak_memory_gb": peak_memory_gb(device)}  # fmt: skip
+    return summarize(times, args.batch, device)
 
 
 def child_main(args) -> None:
-    import torch
+    if args.threads:
+        import torch
 
-    torch.set_num_threads(args.threads)
-    result = run_raw(args) if args.child == "raw" else run_template(args)
+        torch.set_num_threads(args.threads)
+    result = run_template(args) if args.child == "template" else run_raw(args, by_index=args.child == "raw_index")
     if int(os.environ.get("RANK", "0")) == 0:
         args.result.write_text(json.dumps(result))
 
@@ -176,38 +195,49 @@ def child_main(args) -> None:
 # --- the parent: interleave rounds, summarize ---
 
 
-def child_command(args, side: str, result: Path) -> list[str]:
+def child_command(args, side: str, condition: str, result: Path) -> list[str]:
     script = [str(Path(__file__).resolve()), "--child", side, "--result", str(result)]
-    options = ["--model", args.model, "--steps", str(args.steps), "--batch", str(args.batch),
-               "--processes", str(args.processes), "--device", args.device, "--threads", str(args.threads)]  # fmt: skip
+    options = ["--model", args.model, "--steps", str(args.steps), "--batch", str(args.batch), "--processes",
+               str(args.processes), "--device", args.device, "--max_grad_norm", str(args.max_grad_norm)]  # fmt: skip
+    if condition == "tuned":
+        options += ["--threads", "1"]
     if args.processes == 1:
         return [sys.executable, *script, *options]
-    if side == "raw":
-        launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(args.processes)]
-    else:
+    if side == "template":
         launcher = ["-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs/ddp.yaml"),
                     "--num_processes", str(args.processes)]  # fmt: skip
+    else:
+        launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(args.processes)]
     return [sys.executable, *launcher, *script, *options]
 
 
 # glibc's malloc by default hands freed activations back to the OS and page-faults them in again on the next step:
 # 400-1,100 faults per CNN step here, a count that differs from process to process and moves the speed of the same
-# loop by up to 10% between runs. Both sides run with the same two allocator settings that stop the give-back, so
-# the comparison sees the loops, not the allocator's luck. (Huge pages as well favoured the raw side: not used.)
+# loop by up to 10% between runs. The tuned condition runs every side with two allocator settings that stop the
+# give-back, so the comparison sees the loops, not the allocator's luck. (Huge pages favoured the raw side: unused.)
 STEADY_ALLOCATOR = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296"
 
 
-def run_side(args, side: str) -> dict:
+def child_env(condition: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "GLIBC_TUNABLES")}
+    env["HF_HUB_OFFLINE"] = "1"
+    if condition == "tuned":
+        env |= {"OMP_NUM_THREADS": "1", "GLIBC_TUNABLES": STEADY_ALLOCATOR}
+    return env
+
+
+def run_side(args, side: str, condition: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads),
-               "GLIBC_TUNABLES": STEADY_ALLOCATOR}  # fmt: skip
-        spawned = time.time()
-        completed = subprocess.run(child_command(args, side, result), cwd=REPO, env=env, capture_output=True, text=True)
+        spawned, clock = time.time(), time.perf_counter()
+        completed = subprocess.run(child_command(args, side, condition, result), cwd=REPO, env=child_env(condition),
+                                   capture_output=True, text=True)  # fmt: skip
+        wall = time.perf_counter() - clock
         if completed.returncode != 0:
             sys.exit(f"error: the {side} run failed:\n{completed.stderr[-3000:]}")
         measured = json.loads(result.read_text())
     measured["seconds_to_first_step"] = measured.pop("first_step_at") - spawned
+    measured["wall_s"] = wall
     return measured
 
 
@@ -215,38 +245,47 @@ def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+RATIOS = {  # name: (numerator side, denominator side, what is compared; for wall and memory, lower is better)
+    "template/raw": ("template", "raw", "samples_per_s"),
+    "template/raw_index": ("template", "raw_index", "samples_per_s"),
+    "raw_index/raw": ("raw_index", "raw", "samples_per_s"),
+    "wall template/raw": ("template", "raw", "wall_s"),
+    "wall template/raw_index": ("template", "raw_index", "wall_s"),
+    "memory template/raw": ("template", "raw", "peak_memory_gb"),
+}
+
+
+def summarize_condition(runs: dict) -> dict:
+    report = {
+        side: {key: spread([r[key] for r in results]) for key in ("samples_per_s", "seconds_to_first_step", "wall_s")}
+        | {"peak_memory_gb": max(r["peak_memory_gb"] for r in results), "runs": results}
+        for side, results in runs.items()
+    }
+    rounds = {name: [a[key] / b[key] for a, b in zip(runs[top], runs[bottom], strict=True)]
+              for name, (top, bottom, key) in RATIOS.items()}  # fmt: skip
+    report["round_ratios"] = rounds
+    report["ratios"] = {name: statistics.median(values) for name, values in rounds.items()}
+    return report
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.child:
         child_main(args)
         return {}
-    runs = {"raw": [], "template": []}
+    runs = {condition: {side: [] for side in SIDES} for condition in args.conditions}
     for round_index in range(args.rounds):
-        for side in runs:  # a b a b ...: each template run is compared with the raw run just before it
-            runs[side].append(run_side(args, side))
-        raw, template = runs["raw"][-1]["samples_per_s"], runs["template"][-1]["samples_per_s"]
-        print(f"round {round_index + 1}/{args.rounds}: raw {raw:9.0f} samples/s, template {template:9.0f}, "
-              f"ratio {template / raw:.3f}", flush=True)  # fmt: skip
-    sides = {
-        side: {
-            "samples_per_s": spread([r["samples_per_s"] for r in results]),
-            "seconds_to_first_step": spread([r["seconds_to_first_step"] for r in results]),
-            "peak_memory_gb": max(r["peak_memory_gb"] for r in results),
-            "runs": results,  # one per round, in order: samples_per_s, optimiser steps timed, first step, memory
-        }
-        for side, results in runs.items()
-    }
-    round_ratios = [b["samples_per_s"] / a["samples_per_s"] for a, b in zip(runs["raw"], runs["template"], strict=True)]
-    report = {
-        "ratio": statistics.median(round_ratios),
-        "round_ratios": round_ratios,
-        "raw": sides["raw"],
-        "template": sides["template"],
-        "settings": {k: v for k, v in vars(args).items() if k not in ("child", "result", "output")},
-    }
-    startup_gap = sides["template"]["seconds_to_first_step"]["median"] - sides["raw"]["seconds_to_first_step"]["median"]
-    print(f"ratio template/raw: {report['ratio']:.3f} (samples/s, median of {args.rounds} rounds); "
-          f"startup: +{startup_gap:.2f} s to the first step")  # fmt: skip
+        for condition in args.conditions:
+            for side in SIDES:  # each round's runs are seconds apart: their ratios cancel the machine's drift
+                runs[condition][side].append(run_side(args, side, condition))
+            speeds = ", ".join(f"{side} {runs[condition][side][-1]['samples_per_s']:9.0f}" for side in SIDES)
+            print(f"round {round_index + 1}/{args.rounds} {condition}: samples/s {speeds}", flush=True)
+    settings = {k: v for k, v in vars(args).items() if k not in ("child", "result", "output", "threads")}
+    report = {"settings": settings, "conditions": {c: summarize_condition(runs[c]) for c in args.conditions}}
+    for condition, measured in report["conditions"].items():
+        ratios = ", ".join(f"{name} {value:.3f}" for name, value in measured["ratios"].items())
+        first = ", ".join(f"{side} {measured[side]['seconds_to_first_step']['median']:.2f} s" for side in SIDES)
+        print(f"{condition}: {ratios} (medians of {args.rounds} rounds); first step: {first}")
     if args.output:
         args.output.write_text(json.dumps(report, indent=2))
     return report

@@ -3,12 +3,19 @@
 `load_splits` reads whatever the config names; each task (src/tasks/) turns the splits into torch Datasets and may
 bring its own `collate_fn`.
 Accelerate shards the loaders across processes later, in `accelerator.prepare`; nothing here knows about ranks.
+Training data held in tensors skips the DataLoader's per-sample fetch: `train_data` gathers each batch with the
+prepared loader's own indices (`IndexBatches`), so the batches, their order and the sharding stay the loader's.
 """
 
 import os
+from collections.abc import Iterable, Iterator
+from itertools import chain, islice
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
-from torch.utils.data import DataLoader, Dataset, Subset, default_collate
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset, default_collate
 
 from src.config import TrainConfig
 from src.errors import TaskFailed, UsageError, describe
@@ -185,3 +192,106 @@ def check_split_sizes(train_loader: DataLoader, eval_loader: DataLoader, global_
             f"the eval split has {eval_size} samples, fewer than the {num_processes} processes; "
             "use a larger eval split or fewer processes"
         )
+
+
+# --- training batches: by index for data in tensors, else from the DataLoader ---
+
+
+@runtime_checkable
+class Gatherable(Protocol):
+    """A dataset whose batch is one gather by a tensor of indices: what `default_collate` makes of the samples at
+    those indices, without fetching them one by one. `TensorDataset`s qualify as they are (see `gatherable`)."""
+
+    def gather(self, indices: torch.Tensor): ...
+
+    def to(self, device: torch.device) -> "Gatherable": ...  # the same rows, held on `device`
+
+    def nbytes(self) -> int: ...  # the memory its rows take
+
+
+class TensorRows(TensorDataset):
+    """A TensorDataset that gathers a batch: each tensor's rows at `indices`, as default_collate stacks them."""
+
+    def gather(self, indices: torch.Tensor) -> list[torch.Tensor]:
+        return [tensor.index_select(0, indices) for tensor in self.tensors]  # index_select: half of t[indices]
+
+    def to(self, device: torch.device) -> "TensorRows":
+        return TensorRows(*(tensor.to(device) for tensor in self.tensors))
+
+    def nbytes(self) -> int:
+        return sum(tensor.nbytes for tensor in self.tensors)
+
+
+class SubsetRows:
+    """`--max_train_samples` on a gatherable dataset: its first rows, gathered without a copy."""
+
+    def __init__(self, dataset: Gatherable, indices: torch.Tensor):
+        self.dataset, self.indices = dataset, indices
+
+    def gather(self, indices: torch.Tensor):
+        return self.dataset.gather(self.indices.index_select(0, indices))
+
+    def to(self, device: torch.device) -> "SubsetRows":
+        return SubsetRows(self.dataset.to(device), self.indices.to(device))
+
+    def nbytes(self) -> int:
+        return self.dataset.nbytes()
+
+
+def gatherable(dataset: Dataset) -> Gatherable | None:
+    """The dataset as one that gathers batches, or None when its samples must be fetched one by one."""
+    if isinstance(dataset, Subset):
+        inner = gatherable(dataset.dataset)
+        return None if inner is None else SubsetRows(inner, torch.as_tensor(dataset.indices))
+    if isinstance(dataset, Gatherable):
+        return dataset
+    if type(dataset) is TensorDataset:  # a subclass may override __getitem__
+        return TensorRows(*dataset.tensors)
+    return None
+
+
+class LoaderBatches:
+    """The prepared DataLoader, epoch by epoch; a resumed epoch skips the batches already trained on."""
+
+    def __init__(self, accelerator, loader: DataLoader):
+        self.accelerator, self.loader = accelerator, loader
+
+    def epoch(self, epoch: int, skip: int = 0) -> Iterable:
+        self.loader.set_epoch(epoch)  # the seedable sampler's permutation: a function of the seed and the epoch
+        return self.accelerator.skip_first_batches(self.loader, skip) if skip else self.loader
+
+
+class IndexBatches:
+    """The same batches as `LoaderBatches`, each one gather by the indices of the prepared loader's batch sampler
+    (the seedable sampler, sharded across processes by Accelerate: the same order, shards and padding).
+
+    A DataLoader batch of 64 small samples costs ~0.5 ms of per-sample calls and stacking on a CPU, about what a
+    tiny model's whole step costs; a gather costs ~10 us. On a GPU, rows that take at most a quarter of its free
+    memory are moved there once. (The DataLoader also draws a worker seed from torch's global RNG for each epoch's
+    iterator; this path does not, so a model with dropout draws other masks here than through the DataLoader.)
+    """
+
+    def __init__(self, loader: DataLoader, dataset: Gatherable, device: torch.device):
+        self.loader, self.device = loader, device
+        self.on_device = device.type == "cpu" or dataset.nbytes() <= torch.cuda.mem_get_info(device)[0] / 4
+        self.dataset = dataset.to(device) if self.on_device else dataset
+
+    def epoch(self, epoch: int, skip: int = 0) -> Iterator:
+        self.loader.set_epoch(epoch)
+        order = list(islice(self.loader.batch_sampler, skip, None))  # this process's index lists, in order
+        flat = torch.from_numpy(np.fromiter(chain.from_iterable(order), dtype=np.int64))  # 1/8 of torch.tensor's time
+        flat = flat.to(self.device) if self.on_device else flat
+        batches = map(self.dataset.gather, flat.split([len(indices) for indices in order]))
+        if self.on_device:
+            return batches
+        from accelerate.utils import send_to_device
+
+        return (send_to_device(batch, self.device, non_blocking=True) for batch in batches)
+
+
+def train_data(accelerator, loader: DataLoader, config: TrainConfig, collate_fn) -> IndexBatches | LoaderBatches:
+    """Batches by index when the data is in tensors and default_collate batches it; else the DataLoader's."""
+    dataset = gatherable(loader.dataset) if config.dataloader_index_batches and collate_fn is None else None
+    if dataset is None:
+        return LoaderBatches(accelerator, loader)
+    return IndexBatches(loader, dataset, accelerator.device)

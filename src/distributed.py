@@ -12,6 +12,7 @@ The traps this module closes (each measured, see README "How it works"):
 
 import contextlib
 import logging
+import math
 import os
 
 import torch
@@ -154,10 +155,13 @@ class DirectOptimizer:
         (loss / self.accumulation if self.accumulation > 1 else loss).backward()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor | None:
-        """The total gradient norm (all-reduced gradients: the same on every process), clipped to `max_norm`."""
+        """The total gradient norm (all-reduced gradients: the same on every process), clipped to `max_norm` if it
+        is > 0 (0: measured only, not scaling every gradient by 1)."""
         if not self.plain:
-            norm = self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
+            norm = self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm or math.inf)
             return None if norm is None else torch.as_tensor(norm)  # DeepSpeed returns a float or None
+        if not max_norm:
+            return torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
     def step(self) -> None:

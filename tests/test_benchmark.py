@@ -1,5 +1,5 @@
-"""The benchmark script runs both sides for the same steps and reports what it measured (speed is measured by the
-script, not asserted here)."""
+"""The benchmark script runs every side for the same steps under each condition and reports what it measured (speed
+is measured by the script, not asserted here)."""
 
 import json
 import statistics
@@ -17,18 +17,26 @@ def test_benchmark_writes_its_report(tmp_path):
     assert_ok(result)
     report = json.loads(output.read_text())
     assert report["settings"] == {"model": "linear", "rounds": 2, "steps": 40, "batch": 64, "processes": 1,
-                                  "device": "cpu", "threads": 1}  # fmt: skip
-    raw, template = report["raw"]["runs"], report["template"]["runs"]
-    assert len(raw) == len(template) == 2
-    for run in raw + template:
-        assert run["steps"] == 40  # both sides trained (and timed) every one of the --steps optimiser steps
-        assert run["samples_per_s"] > 0 and run["seconds_to_first_step"] > 0 and run["peak_memory_gb"] > 0
-    round_ratios = [b["samples_per_s"] / a["samples_per_s"] for a, b in zip(raw, template, strict=True)]
-    assert report["round_ratios"] == round_ratios
-    assert report["ratio"] == statistics.median(round_ratios)
-    for side, runs in (("raw", raw), ("template", template)):
-        speeds = [run["samples_per_s"] for run in runs]
-        assert report[side]["samples_per_s"] == {"median": statistics.median(speeds), "min": min(speeds),
-                                                 "max": max(speeds)}  # fmt: skip
-        assert report[side]["peak_memory_gb"] == max(run["peak_memory_gb"] for run in runs)
-    assert f"ratio template/raw: {report['ratio']:.3f}" in result.stdout
+                                  "device": "cpu", "conditions": ["default", "tuned"],
+                                  "max_grad_norm": 1.0}  # fmt: skip
+    assert list(report["conditions"]) == ["default", "tuned"]
+    for condition, measured in report["conditions"].items():
+        runs = {side: measured[side]["runs"] for side in ("raw", "raw_index", "template")}
+        for side_runs in runs.values():
+            assert len(side_runs) == 2
+            for run in side_runs:
+                assert run["steps"] == 40  # every side trained (and timed) every one of the --steps optimiser steps
+                assert run["samples_per_s"] > 0 and run["peak_memory_gb"] > 0
+                assert 0 < run["seconds_to_first_step"] < run["wall_s"]
+        for name, top, bottom, key in (("template/raw", "template", "raw", "samples_per_s"),
+                                       ("template/raw_index", "template", "raw_index", "samples_per_s"),
+                                       ("wall template/raw", "template", "raw", "wall_s")):  # fmt: skip
+            round_ratios = [a[key] / b[key] for a, b in zip(runs[top], runs[bottom], strict=True)]
+            assert measured["round_ratios"][name] == round_ratios
+            assert measured["ratios"][name] == statistics.median(round_ratios)
+        for side, side_runs in runs.items():
+            speeds = [run["samples_per_s"] for run in side_runs]
+            assert measured[side]["samples_per_s"] == {"median": statistics.median(speeds), "min": min(speeds),
+                                                       "max": max(speeds)}  # fmt: skip
+            assert measured[side]["peak_memory_gb"] == max(run["peak_memory_gb"] for run in side_runs)
+        assert f"{condition}: template/raw {measured['ratios']['template/raw']:.3f}" in result.stdout

@@ -42,6 +42,17 @@ class TokenBlocks(Dataset):
         block = self.blocks[index].long()
         return block[:-1], block[1:]
 
+    # a batch as one gather (src/data.py: Gatherable), the same tensors default_collate stacks from __getitem__
+    def gather(self, indices: torch.Tensor) -> list[torch.Tensor]:
+        blocks = self.blocks[indices].long()
+        return [blocks[:, :-1].contiguous(), blocks[:, 1:].contiguous()]
+
+    def to(self, device: torch.device) -> "TokenBlocks":
+        return TokenBlocks(self.blocks.to(device))
+
+    def nbytes(self) -> int:
+        return self.blocks.nbytes
+
 
 class CausalLM(Task):
     @dataclass

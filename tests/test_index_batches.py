@@ -1,0 +1,104 @@
+"""In-memory data batched by index (src/data.py: IndexBatches) gives the DataLoader's batches: the same samples in
+the same order, the same shards on N processes, the same resume, hence the same per-step losses."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Subset, default_collate
+
+from src.config import TrainConfig, resolve
+from src.data import IndexBatches, LoaderBatches, gatherable
+from src.tasks import build_task
+from src.tasks.causal_lm import TokenBlocks
+from tests.conftest import assert_ok, assert_processes, read_metrics, run_train, run_with_hook, series
+
+
+@pytest.fixture
+def accelerate_state():
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return build_task(resolve(TrainConfig())).build_datasets()[0]  # 1,438 train images, labels
+
+
+def both_ways(dataset, processes: int, rank: int, drop_last: bool, epoch: int, skip: int) -> tuple[list, list]:
+    """One epoch of one process's batches from the prepared DataLoader and by index, from batch `skip` on."""
+    from accelerate.data_loader import prepare_data_loader, skip_first_batches
+
+    loader = prepare_data_loader(
+        DataLoader(dataset, batch_size=50, shuffle=True, drop_last=drop_last), num_processes=processes,
+        process_index=rank, put_on_device=False, use_seedable_sampler=True, data_seed=7,
+    )  # fmt: skip
+    accelerator = SimpleNamespace(skip_first_batches=skip_first_batches)
+    by_loader = list(LoaderBatches(accelerator, loader).epoch(epoch, skip))
+    by_index = list(IndexBatches(loader, gatherable(dataset), torch.device("cpu")).epoch(epoch, skip))
+    return by_loader, by_index
+
+
+@pytest.mark.parametrize("processes", [1, 2, 3])
+@pytest.mark.parametrize("drop_last", [True, False])  # False: a short last batch, or shards padded from the start
+def test_index_batches_are_the_dataloaders(accelerate_state, digits, processes, drop_last):
+    for rank in range(processes):
+        for epoch, skip in ((0, 0), (1, 0), (1, 5)):  # another permutation per epoch; a resumed epoch
+            by_loader, by_index = both_ways(digits, processes, rank, drop_last, epoch, skip)
+            assert len(by_index) == len(by_loader) > 0
+            for expected, got in zip(by_loader, by_index, strict=True):
+                assert type(got) is type(expected) and len(got) == len(expected) == 2
+                assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True)), (rank, epoch, skip)
+    assert not torch.equal(both_ways(digits, 1, 0, True, 0, 0)[1][0][1], both_ways(digits, 1, 0, True, 1, 0)[1][0][1])
+
+
+def test_subsets_and_token_blocks_gather_what_default_collate_stacks(digits):
+    subset = Subset(digits, range(300))  # --max_train_samples
+    blocks = TokenBlocks(torch.randint(0, 256, (40, 9), dtype=torch.uint8))
+    indices = torch.tensor([5, 0, 17, 5, 31])
+    for dataset in (subset, blocks):
+        expected = default_collate([dataset[i] for i in indices.tolist()])
+        got = gatherable(dataset).gather(indices)
+        assert all(torch.equal(g, e) and g.is_contiguous() for g, e in zip(got, expected, strict=True))
+
+
+def test_samples_fetched_one_by_one_are_not_gathered(digits):
+    class Custom(torch.utils.data.TensorDataset):  # may override __getitem__: its samples are its own
+        pass
+
+    assert gatherable(Custom(*digits.tensors)) is None
+    assert gatherable(Subset(Custom(*digits.tensors), range(3))) is None
+
+
+RUN = ["--max_steps", "60", "--logging_steps", "1", "--save_steps", "10", "--eval_steps", "25"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 2])
+def test_index_path_trains_and_resumes_like_the_dataloader(tmp_path, processes):
+    """22 optimiser steps per epoch: killed at step 27, the index path resumes from step_20, mid-epoch 0, and its
+    per-step losses and eval metrics are those of an uninterrupted run through the DataLoader."""
+    loader_run = tmp_path / "loader"
+    loader_args = [*RUN, "--output_dir", str(loader_run), "--dataloader_index_batches", "false"]
+    assert_ok(run_train(*loader_args, processes=processes))
+    index_run = tmp_path / "index"
+    args = [*RUN, "--output_dir", str(index_run), "--resume_from_checkpoint", "latest"]
+    killed = run_with_hook(tmp_path, args, "if step == 27: os.kill(os.getpid(), signal.SIGKILL)", processes=processes)
+    assert killed.returncode != 0
+    assert_ok(run_with_hook(tmp_path, args, processes=processes))
+    for run in (loader_run, index_run):
+        assert_processes(run, processes)
+    loader_rows, index_rows = read_metrics(loader_run), read_metrics(index_run)
+    expected, losses = series(loader_rows, "train/loss"), series(index_rows, "train/loss")
+    assert list(losses) == list(expected) == list(range(1, 61))
+    if processes == 1:
+        assert losses == expected  # bit for bit
+    else:
+        assert max(abs(losses[s] - expected[s]) for s in losses) <= 1e-5
+    for key in ("eval/accuracy", "eval/num_samples"):
+        assert series(index_rows, key) == series(loader_rows, key)
