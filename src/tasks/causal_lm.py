@@ -80,8 +80,8 @@ class CausalLM(Task):
                 for name in ("max_train_tokens", "max_eval_tokens")
                 if getattr(self, name) is not None and getattr(self, name) <= self.block_size
             ]
-            if not 0 < self.max_new_tokens < self.block_size:
-                problems.append(f"max_new_tokens must lie in 1..block_size - 1 (got {self.max_new_tokens})")
+            if self.max_new_tokens <= 0:
+                problems.append(f"max_new_tokens must be > 0 (got {self.max_new_tokens})")
             if self.n_head > 0 and self.n_embd % self.n_head:
                 problems.append(f"n_embd {self.n_embd} must be divisible by n_head {self.n_head}")
             if not 0 <= self.dropout < 1:
@@ -107,14 +107,14 @@ class CausalLM(Task):
         )
 
     def build_eval_dataset(self, split: str, labelled: bool = True) -> Dataset:
-        """Blocks to evaluate; or, only to predict (`labelled` False), one prompt per text: its last
-        block_size - max_new_tokens bytes, left-padded with the separator (the model reads it as "a text starts")."""
+        """Blocks to evaluate; or, only to predict (`labelled` False), one prompt per text: its last block_size
+        bytes, left-padded with the separator (the model reads it as "a text starts"); generation slides the window."""
         self.check_data_present()
         data = load_splits(self.config, [split])[split]
         if labelled:
             return self.to_blocks(data, self.options.max_eval_tokens)
         check_columns(data, [self.options.text_column], "--text_column to the text column")
-        length = self.options.block_size - self.options.max_new_tokens
+        length = self.options.block_size
         prompts = torch.full((len(data), length), SEPARATOR, dtype=torch.long)
         for row, text in enumerate(data[self.options.text_column]):
             tail = text.encode("utf-8")[-length:]
