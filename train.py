@@ -105,8 +105,9 @@ def train(config: TrainConfig) -> dict:
     check_hub_push(config)
     task = build_task(config)
     on_gpu = accelerator.device.type == "cuda"
-    collate_fn = task.collate_fn()
-    train_loader, eval_loader = build_dataloaders(*task.build_datasets(), config, collate_fn, pin_memory=on_gpu)
+    train_set, eval_set = task.build_datasets()
+    collate_fn = task.collate_fn()  # after the datasets: e.g. a padding collator needs the tokenizer they loaded
+    train_loader, eval_loader = build_dataloaders(train_set, eval_set, config, collate_fn, pin_memory=on_gpu)
     check_split_sizes(train_loader, eval_loader, global_batch, accelerator.num_processes)
     check_first_batch(train_loader, task)
     test_loader = build_test_loader(task, config, pin_memory=on_gpu)  # None when the data has no test split
