@@ -1,15 +1,29 @@
 """--streaming: the causal_lm train split streamed from >= 8 Parquet shards (scripts/make_shards.py), exactly once per
 epoch, the same global batches on 1 or 2 processes, and an exact resume after SIGKILL (with and without workers)."""
 
+import shlex
+import sys
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from scripts.readme_commands import section_commands
 from src.config import TrainConfig, parse_config
 from src.errors import UsageError
 from src.streaming import build_stream_loader
 from src.tasks import build_task
-from tests.conftest import assert_ok, assert_processes, read_metrics, run_python, run_with_hook, series
+from tests.conftest import (
+    REPO,
+    assert_ok,
+    assert_processes,
+    free_port,
+    read_metrics,
+    run_command,
+    run_python,
+    run_with_hook,
+    series,
+)
 
 SHARDS = 8
 TINY = ["--task", "causal_lm", "--n_layer", "1", "--n_embd", "32", "--block_size", "32"]
@@ -130,3 +144,60 @@ def test_sigkill_mid_stream_then_resume_matches_uninterrupted(tmp_path, shards, 
     expected = series(uninterrupted[1, workers], "train/loss")
     assert list(expected) == list(range(1, 41))
     assert train_losses(out) == expected  # bit for bit
+
+
+@pytest.mark.slow
+def test_readme_streaming_commands_run_as_written(tmp_path):
+    """The README section's commands in order, in a folder linking to the code (the shards are written there),
+    each train command shortened to 4 steps."""
+    for name in ("train.py", "src", "configs", "accelerate_configs", "scripts"):
+        (tmp_path / name).symlink_to(REPO / name)
+    commands = section_commands("Streaming")
+    assert [c.split()[1] for c in commands] == ["scripts/make_shards.py", "train.py", "launch"]
+    for i, command in enumerate(commands):
+        words = shlex.split(command)
+        if words[:2] == ["accelerate", "launch"]:
+            words = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()),
+                     *words[2:]]  # fmt: skip
+        else:
+            words[0] = sys.executable
+        out = tmp_path / f"run{i}"
+        if "train.py" in words:
+            words += ["--max_steps", "4", "--logging_steps", "2", "--max_eval_tokens", "8192", "--output_dir", str(out)]
+        assert_ok(run_command(words, cwd=tmp_path, timeout=600))
+        if "train.py" in words:
+            assert_processes(out, 2 if "launch" in command else 1)
+            assert list(series(read_metrics(out), "train/loss")) == [2, 4]
+    assert len(list((tmp_path / "data" / "shards").glob("train-*.parquet"))) == 16
+
+
+# --- the Hugging Face language_modeling task: tokenised in the stream, padded, its loss summed over tokens ---
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory) -> tuple[str, str]:
+    """A tiny GPT-2 with its tokenizer, and a jsonl text data set: offline (as tests/test_hf.py makes them)."""
+    pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("hf")
+    assert_ok(run_python("scripts/make_tiny_model.py", "--kind", "gpt2", "--out", str(root / "gpt2")))
+    assert_ok(run_python("scripts/make_text_data.py", "--out", str(root / "text")))
+    return str(root / "gpt2"), f"{{train: {root}/text/train.jsonl, eval: {root}/text/eval.jsonl}}"
+
+
+@pytest.mark.slow
+def test_language_modeling_streams_the_same_on_one_and_two_processes(gpt2, tmp_path):
+    """Padded texts of different lengths: 1 process with one batch of 16 vs 2 processes with 2 x 4 each; the loss
+    is normalised by the tokens of the global batch, so the per-step losses agree."""
+    model, data = gpt2
+    runs = {}
+    for processes, per_device in ((1, "16"), (2, "4")):
+        runs[processes] = out = tmp_path / f"p{processes}"
+        args = ["--task", "language_modeling", "--model_name_or_path", model, "--data_files", data, "--streaming",
+                "true", "--packing", "false", "--block_size", "64", "--dropout", "0", "--learning_rate", "1e-3",
+                "--max_steps", "8", "--global_batch_size", "16", "--per_device_train_batch_size", per_device,
+                "--logging_steps", "1", "--eval_steps", "1000", "--output_dir", str(out)]  # fmt: skip
+        assert_ok(run_with_hook(tmp_path, args, processes=processes))
+        assert_processes(out, processes)
+    one, two = (series(read_metrics(runs[p]), "train/loss") for p in (1, 2))
+    assert list(one) == list(two) == list(range(1, 9))
+    assert max(abs(one[s] - two[s]) for s in one) <= 1e-5

@@ -28,6 +28,7 @@ from src.tasks.base import Task
 VOCAB_SIZE = 256  # bytes
 SEPARATOR = 0  # the byte between documents: NUL, which text files do not contain
 PREPARED_DIR = Path("data/stdlib")  # where scripts/prepare_text.py writes by default
+PACK_DOCUMENTS = 64  # --streaming packs this many documents at a time: its memory is theirs, not the corpus's
 
 
 class TokenBlocks(Dataset):
@@ -152,9 +153,8 @@ class CausalLM(Task):
         if o.max_train_tokens is not None:
             raise UsageError("--max_train_tokens does not apply with --streaming; --max_steps sets how much is read")
         stream = load_stream(self.config, self.config.train_split)
-        if stream.column_names is not None:  # known for Parquet; JSON files are read before it is known
-            check_columns(stream, [o.text_column], "--text_column to the text column")
-        blocks = stream.map(pack_examples, batched=True, remove_columns=stream.column_names,
+        check_columns(stream, [o.text_column], "--text_column to the text column")  # from the files' schema
+        blocks = stream.map(pack_examples, batched=True, batch_size=PACK_DOCUMENTS, remove_columns=stream.column_names,
                             fn_kwargs={"column": o.text_column, "block_size": o.block_size})  # fmt: skip
         # one shard at a time into the buffer: datasets' default (10) reads shards in threads, ~10x slower here, and
         # sleeps 5 s at the end of every epoch (apache/arrow#45214)
