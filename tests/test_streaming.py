@@ -77,7 +77,8 @@ def test_an_epoch_uses_each_document_once_in_a_seeded_order(numbered_docs, worke
     assert [bytes(x.tolist())[:11].decode() for x in next(iter(loader))[0]] == epochs[0][:8]  # a function of the epoch
 
 
-def test_streaming_needs_max_steps_and_a_task_that_streams(shards):
+def test_streaming_needs_max_steps_and_a_task_that_streams(numbered_docs):
+    shards, _ = numbered_docs
     with pytest.raises(UsageError, match="--streaming needs --max_steps"):
         TrainConfig(streaming=True)
     config = parse_config(["--streaming", "true", "--max_steps", "5"])  # digits: no build_train_stream
