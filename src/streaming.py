@@ -6,9 +6,11 @@
 
 The task's `build_train_stream()` gives a `datasets` IterableDataset (`load_dataset(..., streaming=True)` over the
 files a glob names, or a Hub dataset), shuffled with a buffer and the seed; the eval split stays map-style.
-- Across processes: Accelerate's default for an iterable dataset (`dispatch_batches`): the main process reads the
-  stream and sends each process its slice of every batch of per-device batch x processes samples. A step's global
-  batch is then the same consecutive samples of the stream on 1 or N processes, and each sample is used once.
+- Across processes: Accelerate's IterableDatasetShard (`dispatch_batches=False`, src/distributed.py): every process
+  reads the whole stream and keeps its slice of each group of per-device batch x processes samples. A step's global
+  batch is then the same consecutive samples of the stream on 1 or N processes, and each sample is used once (the
+  price: each process reads and tokenises all of it; `split_dataset_by_node` by shards would read 1/N each, but
+  then the global batches, and so the losses, would depend on the process count).
 - Across data-loader workers: `datasets` gives each worker its own files (so use more shards than workers).
 - Exact resume: the stream is a function of the seed and the epoch, so its position is (epoch, batches read in
   that epoch). It is saved in every checkpoint (`register_for_checkpointing`) and a resumed run reads and drops
