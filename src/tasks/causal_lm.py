@@ -7,6 +7,7 @@
 Byte-level: the tokens are a text's UTF-8 bytes (vocabulary 256), so there is no tokenizer to download or train.
 Each split's documents are joined with a separator byte and cut into fixed blocks of `block_size + 1` tokens
 (input = block[:-1], target = block[1:]); the remainder is dropped. The model is src/models/gpt.py.
+With `--streaming true` the train split is read from shard files and packed on the fly (README "Streaming").
 """
 
 import math
@@ -147,7 +148,7 @@ class CausalLM(Task):
         return TokenBlocks(torch.from_numpy(blocks))
 
     def build_train_stream(self) -> SampleStream:
-        """--streaming: the train files read lazily, packed on the fly (a batch of 1,000 documents at a time, in the
+        """--streaming: the train files read lazily, packed on the fly (PACK_DOCUMENTS documents at a time, in the
         data-loader workers if any), then shuffled in a buffer of blocks (and the shard order) by seed and epoch."""
         o = self.options
         if o.max_train_tokens is not None:
