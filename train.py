@@ -59,6 +59,7 @@ from src.errors import TrainingPreempted, command_line
 from src.meters import LossWindow, StepTimer, peak_memory_gb, step_profiler, throughput_metrics
 from src.metrics import load_metrics
 from src.optim import EarlyStopping, build_optimizer, build_scheduler
+from src.streaming import StreamPosition, build_stream_loader, stream_batches
 from src.tasks import build_task
 from src.tasks.base import task_errors
 from src.tracking import build_trackers, log_metrics, progress_bar, setup_logging, setup_metrics, start_tracking
@@ -105,11 +106,17 @@ def train(config: TrainConfig) -> dict:
     check_hub_push(config)
     task = build_task(config)
     on_gpu = accelerator.device.type == "cuda"
-    train_set, eval_set = task.build_datasets()
-    collate_fn = task.collate_fn()  # after the datasets: e.g. a padding collator needs the tokenizer they loaded
-    train_loader, eval_loader = build_dataloaders(train_set, eval_set, config, collate_fn, pin_memory=on_gpu)
-    check_split_sizes(train_loader, eval_loader, global_batch, accelerator.num_processes)
-    check_first_batch(train_loader, task)
+    if config.streaming:  # the train split read as a stream (src/streaming.py): memory bounded, no length
+        train_loader = build_stream_loader(task, config, pin_memory=on_gpu)
+        eval_set = task.build_eval_dataset(config.eval_split)
+        collate_fn = task.collate_fn()
+        eval_loader = build_eval_loader(eval_set, config, collate_fn, config.max_eval_samples, on_gpu)
+    else:
+        train_set, eval_set = task.build_datasets()
+        collate_fn = task.collate_fn()  # after the datasets: e.g. a padding collator needs the tokenizer they loaded
+        train_loader, eval_loader = build_dataloaders(train_set, eval_set, config, collate_fn, pin_memory=on_gpu)
+        check_split_sizes(train_loader, eval_loader, global_batch, accelerator.num_processes)
+        check_first_batch(train_loader, task)
     test_loader = build_test_loader(task, config, pin_memory=on_gpu)  # None when the data has no test split
     model = task.load_model(config.model_name_or_path) if config.model_name_or_path else task.build_model()
     model = sync_batchnorm(model, accelerator)
@@ -120,16 +127,20 @@ def train(config: TrainConfig) -> dict:
         model, build_optimizer(model, config, fused=on_gpu), train_loader, eval_loader, test_loader
     )
     optimizer = DirectOptimizer(accelerator, model, optimizer)  # backward / clip / step without wrapper overhead
-    data = train_data(accelerator, train_loader, config, collate_fn)  # in-memory tensors: a batch is one gather
+    data = None if config.streaming else train_data(accelerator, train_loader, config, collate_fn)  # tensors: by index
     saved_model = model  # what the final model and exports save: the plain module, with or without compilation
     if config.torch_compile:
         model = compile_model(model, accelerator, config.torch_compile_mode)  # the steps and evaluation, compiled
 
     # --- how long: counted in optimiser steps, each seeing the same global batch on any process count ---
-    steps_per_epoch = len(train_loader) // accumulation  # a trailing partial window is skipped, see distributed.py
+    # a trailing partial window is skipped, see distributed.py; a stream has no length: max_steps counts
+    steps_per_epoch = None if config.streaming else len(train_loader) // accumulation
     total_steps = config.max_steps if config.max_steps > 0 else math.ceil(config.num_train_epochs * steps_per_epoch)
     lr_scheduler = build_scheduler(optimizer.optimizer, config, total_steps)  # stepped once per optimiser step
     accelerator.register_for_checkpointing(lr_scheduler)
+    stream_position = StreamPosition()  # --streaming: where the stream is, in every checkpoint
+    if config.streaming:
+        accelerator.register_for_checkpointing(stream_position)
 
     # --- resume: weights, optimiser, scheduler and RNG from the checkpoint; the data position from the step ---
     checkpoint = find_resume_checkpoint(config)
@@ -161,8 +172,13 @@ def train(config: TrainConfig) -> dict:
     model.train()
     # SIGTERM/SIGUSR1 -> checkpoint (handlers restored however we leave); an error in the task's code -> one line
     with PreemptionSignals(accelerator) as preemption, task_errors(task):
-        batches = train_batches(accelerator, task, data, step, steps_per_epoch) if step < total_steps else []
-        for batch, scale in batches:  # none when resuming a run that has finished: it evaluates and saves again
+        if step >= total_steps:  # none when resuming a run that has finished: it evaluates and saves again
+            batches = []
+        elif config.streaming:
+            batches = stream_batches(accelerator, task, train_loader, stream_position)
+        else:
+            batches = train_batches(accelerator, task, data, step, steps_per_epoch)
+        for batch, scale in batches:
             with optimizer.accumulate(model):  # accelerator.accumulate: gradients sync on the window's last batch
                 loss = task.loss(model, batch) if scale is None else task.loss(model, batch) * scale  # summed losses
                 optimizer.backward(loss)
@@ -194,7 +210,7 @@ def train(config: TrainConfig) -> dict:
                     **throughput(global_batch / step_time),
                     "train/step_time_s": step_time,
                     "train/peak_memory_gb": peak_memory_gb(accelerator.device),
-                    "epoch": step / steps_per_epoch,
+                    "epoch": step / steps_per_epoch if steps_per_epoch else stream_position.epoch,
                     **({"train/skipped_steps": skipped_steps} if config.skip_nonfinite_batches else {}),
                 }, step)  # fmt: skip
                 progress.set_postfix(loss=f"{train_loss:.4f}", samples_per_s=f"{global_batch / step_time:.0f}")

@@ -72,7 +72,11 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
             gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=accumulation, sync_with_dataloader=False),
             # non_blocking: a batch's copy to the GPU (from pinned memory, see data.py) does not wait for it, so
             # the next batch is fetched and copied while the GPU still computes the current one
-            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=not use_cpu),
+            # dispatch_batches=False: a streamed train set (src/streaming.py) is read by every process, which keeps
+            # its slice of each batch, on any device (the default would dispatch from the main process on GPUs only)
+            dataloader_config=DataLoaderConfiguration(
+                use_seedable_sampler=True, non_blocking=not use_cpu, dispatch_batches=False
+            ),
             # on the CPU everything already is where it runs; placement would only re-check each batch (~1% of the
             # benchmark's tiny model step, in an A/B of the data loader alone)
             device_placement=not use_cpu,

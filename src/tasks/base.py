@@ -12,6 +12,7 @@
         def loss(self, model, batch): ...   # a scalar: the batch's mean loss
         def eval_outputs(self, model, batch): ...   # per-sample tensors, see below
         def build_eval_dataset(self, split, labelled): ...   # may: one split without the train split (eval-only, test)
+        def build_train_stream(self): ...   # may: the train split as an IterableDataset (--streaming)
         def predict(self, model, batch): ...        # may: per-sample tensors for predictions.jsonl
 
 A task is built once per run, so it can keep state (a tokenizer, the number of features) on `self`.
@@ -28,10 +29,12 @@ from pathlib import Path
 from traceback import walk_tb
 from typing import TYPE_CHECKING, ClassVar
 
+from src.errors import UsageError
+
 if TYPE_CHECKING:
     import torch
     from torch import nn
-    from torch.utils.data import Dataset
+    from torch.utils.data import Dataset, IterableDataset
 
     from src.config import TrainConfig
 
@@ -95,6 +98,13 @@ class Task:
         raise NotImplementedError(
             f"{type(self).__name__} must implement build_eval_dataset() to evaluate without training or on a test split"
         )
+
+    def build_train_stream(self) -> IterableDataset:
+        """`--streaming`: the train split as an IterableDataset of samples like build_datasets()' train items, with
+        `set_epoch(epoch)`; e.g. `SampleStream(load_stream(self.config, split).map(...).shuffle(seed, buffer))`
+        (src/streaming.py). Its memory must not grow with the data: nothing is read before iteration."""
+        raise UsageError(f"--task {type(self).__name__} cannot stream its data: it has no build_train_stream(); "
+                         "use --streaming false, or implement it (src/tasks/causal_lm.py has an example)")  # fmt: skip
 
     def load_model(self, path: str) -> nn.Module:
         """`--model_name_or_path`: build_model() with the weights save_model() wrote (a run's model/ folder) or a

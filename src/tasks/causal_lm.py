@@ -7,6 +7,7 @@
 Byte-level: the tokens are a text's UTF-8 bytes (vocabulary 256), so there is no tokenizer to download or train.
 Each split's documents are joined with a separator byte and cut into fixed blocks of `block_size + 1` tokens
 (input = block[:-1], target = block[1:]); the remainder is dropped. The model is src/models/gpt.py.
+With `--streaming true` the train split is read from shard files and packed on the fly (README "Streaming").
 """
 
 import math
@@ -22,11 +23,13 @@ from torch.utils.data import Dataset, TensorDataset
 from src.data import check_columns, load_splits
 from src.errors import UsageError
 from src.models.gpt import GPT, GPTConfig, count_parameters, flops_per_token
+from src.streaming import SampleStream, load_stream
 from src.tasks.base import Task
 
 VOCAB_SIZE = 256  # bytes
 SEPARATOR = 0  # the byte between documents: NUL, which text files do not contain
 PREPARED_DIR = Path("data/stdlib")  # where scripts/prepare_text.py writes by default
+PACK_DOCUMENTS = 64  # --streaming packs this many documents at a time: its memory is theirs, not the corpus's
 
 
 class TokenBlocks(Dataset):
@@ -52,6 +55,27 @@ class TokenBlocks(Dataset):
 
     def nbytes(self) -> int:
         return self.blocks.nbytes
+
+
+def pack(texts: list[str], block_size: int, max_tokens: int | None = None) -> np.ndarray:
+    """Texts -> UTF-8 bytes joined by SEPARATOR -> (num_blocks, block_size + 1) uint8, the remainder dropped."""
+    data = chr(SEPARATOR).join(texts).encode("utf-8")[:max_tokens]
+    num_blocks = len(data) // (block_size + 1)
+    return np.frombuffer(data, dtype=np.uint8, count=num_blocks * (block_size + 1)).reshape(num_blocks, -1).copy()
+
+
+def pack_examples(examples: dict, column: str, block_size: int) -> dict:
+    """A batch of a stream's documents -> {"block": one bytes object per block} (datasets' batched map)."""
+    texts = examples[column]
+    if texts and not isinstance(texts[0], str):
+        raise UsageError(f"column {column!r} must hold text (got {type(texts[0]).__name__})")
+    return {"block": [row.tobytes() for row in pack(texts, block_size)]}
+
+
+def block_to_sample(example: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """A streamed block -> (input_ids, targets) int64, as TokenBlocks gives them."""
+    block = torch.frombuffer(bytearray(example["block"]), dtype=torch.uint8).long()
+    return block[:-1], block[1:]
 
 
 class CausalLM(Task):
@@ -140,17 +164,30 @@ class CausalLM(Task):
         texts = split[column]
         if not all(isinstance(text, str) for text in texts[:1]):
             raise UsageError(f"column {column!r} must hold text (got {type(texts[0]).__name__})")
-        data = chr(SEPARATOR).join(texts).encode("utf-8")
-        if max_tokens is not None:
-            data = data[:max_tokens]
-        tokens = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())  # copy: frombuffer is read-only
-        num_blocks = len(tokens) // (block_size + 1)
-        if num_blocks == 0:
+        blocks = pack(texts, block_size, max_tokens)
+        if len(blocks) == 0:
+            tokens = min(len(chr(SEPARATOR).join(texts).encode("utf-8")), max_tokens or math.inf)
             raise UsageError(
-                f"the {split.split or ''} split has {len(tokens)} tokens, fewer than one block of {block_size + 1}; "
+                f"the {split.split or ''} split has {tokens} tokens, fewer than one block of {block_size + 1}; "
                 "use more text or a smaller --block_size"
             )
-        return TokenBlocks(tokens[: num_blocks * (block_size + 1)].view(num_blocks, block_size + 1))
+        return TokenBlocks(torch.from_numpy(blocks))
+
+    def build_train_stream(self) -> SampleStream:
+        """--streaming: the train files read lazily, packed on the fly (PACK_DOCUMENTS documents at a time, in the
+        data-loader workers if any), then shuffled in a buffer of blocks (and the shard order) by seed and epoch."""
+        o = self.options
+        if o.max_train_tokens is not None:
+            raise UsageError("--max_train_tokens does not apply with --streaming; --max_steps sets how much is read")
+        stream = load_stream(self.config, self.config.train_split)
+        check_columns(stream, [o.text_column], "--text_column to the text column")  # from the files' schema
+        blocks = stream.map(pack_examples, batched=True, batch_size=PACK_DOCUMENTS, remove_columns=stream.column_names,
+                            fn_kwargs={"column": o.text_column, "block_size": o.block_size})  # fmt: skip
+        # one shard at a time into the buffer: datasets' default (10) reads shards in threads, ~10x slower here, and
+        # sleeps 5 s at the end of every epoch (apache/arrow#45214)
+        buffer = self.config.shuffle_buffer_size
+        blocks = blocks.shuffle(seed=self.config.seed, buffer_size=buffer, max_buffer_input_shards=1)
+        return SampleStream(blocks, block_to_sample)
 
     # --- model, loss, evaluation ---
 

@@ -23,14 +23,18 @@ class HuggingFaceTask(Task):
     def load_text_splits(self, columns: list[str], flags: str, names: list[str] | None = None) -> list:
         """The model source checked, the tokenizer loaded (self.tokenizer), then the splits `names` (default:
         train and eval), each checked for `columns`."""
-        require_transformers()
-        self.model_path = check_model_source(self.config.model_name_or_path)
-        self.tokenizer = load_tokenizer(self.options.tokenizer_name or self.model_path)
+        self.load_tokenizer()
         names = names or [self.config.train_split, self.config.eval_split]
         splits = load_splits(self.config, names)
         for name in names:
             check_columns(splits[name], columns, flags)
         return [splits[name] for name in names]
+
+    def load_tokenizer(self) -> None:
+        """The model source checked, then self.tokenizer loaded (also for a streamed train split)."""
+        require_transformers()
+        self.model_path = check_model_source(self.config.model_name_or_path)
+        self.tokenizer = load_tokenizer(self.options.tokenizer_name or self.model_path)
 
     def load_model(self, path: str):
         """from_pretrained already loaded --model_name_or_path in build_model()."""

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from src.errors import UsageError
+from src.streaming import SampleStream, load_stream
 from src.tasks.hf import HuggingFaceTask, check_dropout, main_process_first
 
 IGNORE = -100  # labels the loss skips: padding
@@ -97,22 +98,32 @@ class LanguageModeling(HuggingFaceTask):
         self.block_size = self.options.block_size or min(limit, 1024)
 
     def tokenize(self, split):
-        column, block_size = self.options.text_column, self.block_size
-
-        def encode(rows: dict) -> dict:
-            if not self.options.packing:
-                encoded = self.tokenizer(rows[column], truncation=True, max_length=block_size)
-                return {k: [v for v, ids in zip(values, encoded["input_ids"], strict=True) if len(ids) > 1]
-                        for k, values in encoded.items()}  # fmt: skip
-            ids = list(chain.from_iterable(self.tokenizer(rows[column])["input_ids"]))
-            usable = len(ids) // block_size * block_size  # the remainder of each map batch is dropped, as in run_clm
-            return {"input_ids": [ids[i : i + block_size] for i in range(0, usable, block_size)]}
-
-        blocks = split.map(encode, batched=True, remove_columns=split.column_names, desc="tokenizing")
+        blocks = split.map(self.encode, batched=True, remove_columns=split.column_names, desc="tokenizing")
         if len(blocks) == 0:
             raise UsageError(f"the {split.split or ''} split has no sample of 2 or more tokens; use more text, "
                              "or a smaller --block_size")  # fmt: skip
         return blocks
+
+    def encode(self, rows: dict) -> dict:
+        """A batch of texts -> samples: packed blocks of block_size tokens, or (without packing) one per text."""
+        column, block_size = self.options.text_column, self.block_size
+        if not self.options.packing:
+            encoded = self.tokenizer(rows[column], truncation=True, max_length=block_size)
+            return {k: [v for v, ids in zip(values, encoded["input_ids"], strict=True) if len(ids) > 1]
+                    for k, values in encoded.items()}  # fmt: skip
+        ids = list(chain.from_iterable(self.tokenizer(rows[column])["input_ids"]))
+        usable = len(ids) // block_size * block_size  # the remainder of each map batch is dropped, as in run_clm
+        return {"input_ids": [ids[i : i + block_size] for i in range(0, usable, block_size)]}
+
+    def build_train_stream(self) -> SampleStream:
+        """--streaming: the train split tokenised (and packed) on the fly, in the data-loader workers if any, 64
+        texts at a time; then shuffled in a buffer of samples (and the shard order) by seed and epoch."""
+        self.load_tokenizer()
+        stream = load_stream(self.config, self.config.train_split)
+        self.set_block_size()
+        samples = stream.map(self.encode, batched=True, batch_size=64, remove_columns=stream.column_names)
+        buffer = self.config.shuffle_buffer_size  # one shard at a time: see CausalLM.build_train_stream
+        return SampleStream(samples.shuffle(seed=self.config.seed, buffer_size=buffer, max_buffer_input_shards=1), dict)
 
     def collate_fn(self):
         from transformers import DataCollatorWithPadding
