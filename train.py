@@ -53,6 +53,7 @@ from src.distributed import (
     build_accelerator,
     compile_model,
     enable_gradient_checkpointing,
+    summed_loss_scale,
     sync_batchnorm,
 )
 from src.errors import TrainingPreempted, command_line
@@ -320,9 +321,7 @@ def train_batches(accelerator, task, data, start_step: int, steps_per_epoch: int
 
     The seedable sampler's permutation is a function of the seed and the epoch, so a resumed run skips exactly
     the batches it has trained on. Runs until the caller stops. `scale` is None for a task whose loss is a mean;
-    for a summed loss it is processes x accumulation / the terms of the whole global batch, counted over the
-    window's micro-batches and all-reduced: the gradient is then that of the global batch's mean term, on any
-    process count (accumulation and DDP average over the micro-batches, as they should for a mean).
+    for a summed loss, src/distributed.py's `summed_loss_scale` of the window.
     """
     accumulation = accelerator.gradient_accumulation_steps
     epoch, steps_done = divmod(start_step, steps_per_epoch)
@@ -333,10 +332,7 @@ def train_batches(accelerator, task, data, start_step: int, steps_per_epoch: int
             yield from zip(batches, repeat(None))  # C-level pairing: no Python frame per batch
         else:
             while window := list(islice(batches, accumulation)):  # the window's micro-batches, read ahead
-                counted = torch.as_tensor(sum(task.count_items(batch) for batch in window), device=accelerator.device)
-                items = accelerator.reduce(counted.long(), reduction="sum").float()  # exact integer sum first
-                scale = accelerator.num_processes * accumulation / items.clamp_min(1)
-                yield from zip(window, repeat(scale))
+                yield from zip(window, repeat(summed_loss_scale(accelerator, task, window)))
         epoch, steps_done = epoch + 1, 0
 
 

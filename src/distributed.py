@@ -86,6 +86,16 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
         raise UsageError(f"Accelerate cannot run this setup: {' '.join(str(err).split())}") from err
 
 
+def summed_loss_scale(accelerator, task, window: list) -> torch.Tensor:
+    """For a task whose loss() is a sum: processes x accumulation / the terms of the whole global batch, counted
+    over the accumulation window's micro-batches and all-reduced (an exact integer sum first). Scaled by it, the
+    gradient is that of the global batch's mean term on any process count (accumulation and DDP average over the
+    micro-batches, as they should for a mean)."""
+    counted = torch.as_tensor(sum(task.count_items(batch) for batch in window), device=accelerator.device)
+    items = accelerator.reduce(counted.long(), reduction="sum").float()
+    return accelerator.num_processes * accelerator.gradient_accumulation_steps / items.clamp_min(1)
+
+
 def compile_model(model: nn.Module, accelerator, mode: str | None) -> nn.Module:
     """`--torch_compile`: `torch.compile` of the prepared model (outside DDP/FSDP, as Accelerate's own
     `dynamo_backend` does). Compiles at the first call; evaluation compiles its own graph. Save the plain model,

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 
-import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from src.config import TrainConfig
+from src.distributed import summed_loss_scale
 from src.errors import UsageError
 
 
@@ -107,13 +107,8 @@ def stream_batches(accelerator, task, loader, position: StreamPosition):
         while len(window := list(islice(batches, accumulation))) == accumulation:
             position.batches += accumulation  # counted before training on them: a checkpoint follows the window
             windows += 1
-            if task.loss_reduction == "mean":
-                yield from ((batch, None) for batch in window)
-            else:  # as in train_batches: processes x accumulation / the terms of the whole global batch
-                counted = torch.as_tensor(sum(task.count_items(batch) for batch in window), device=accelerator.device)
-                items = accelerator.reduce(counted.long(), reduction="sum").float()
-                scale = accelerator.num_processes * accumulation / items.clamp_min(1)
-                yield from ((batch, scale) for batch in window)
+            scale = None if task.loss_reduction == "mean" else summed_loss_scale(accelerator, task, window)
+            yield from ((batch, scale) for batch in window)
         if windows == 0 and position.batches == 0:
             raise UsageError(
                 "the train stream holds fewer samples than one global batch; use more data or a smaller batch"
