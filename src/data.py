@@ -30,14 +30,15 @@ def load_splits(config: TrainConfig, names: list[str] | None = None):
 
     datasets.disable_progress_bars()
     names = names or [config.train_split, config.eval_split]
-    if config.dataset_name:
-        splits = load_hub_dataset(config)
-    else:
-        files = {split: path for split, path in config.data_files.items() if split in names}
-        missing = [name for name in names if name not in files]
-        if missing:
-            raise UsageError(f"the data has no split {missing[0]!r} (it has {', '.join(config.data_files)}); "
-                             f"add it to --data_files or set {split_flag(config, missing[0])}")  # fmt: skip
+    splits = load_hub_dataset(config) if config.dataset_name else None
+    available = list(splits if splits is not None else config.data_files)
+    missing = [name for name in names if name not in available]
+    if missing:
+        where = "set" if config.dataset_name else "add it to --data_files or set"
+        raise UsageError(f"the data has no split {missing[0]!r} (it has {', '.join(available)}); "
+                         f"{where} {split_flag(config, missing[0])}")  # fmt: skip
+    if splits is None:  # local files: only those of the named splits are read
+        files = {split: config.data_files[split] for split in names}
         builder = file_builder(files)
         try:
             splits = datasets.load_dataset(builder, data_files=files)
@@ -45,9 +46,6 @@ def load_splits(config: TrainConfig, names: list[str] | None = None):
             cause = " ".join(str(err.__cause__ or err).split())
             raise UsageError(f"could not read the {builder} data files ({cause}); check --data_files") from err
     for split in names:
-        if split not in splits:
-            raise UsageError(f"the data has no split {split!r} (it has {', '.join(splits)}); "
-                             f"set {split_flag(config, split)}")  # fmt: skip
         if len(splits[split]) == 0:
             raise UsageError(f"the {split!r} split is empty; point --data_files or --dataset_name at data with rows")
     return splits
