@@ -80,6 +80,18 @@ def out(tmp_path) -> Path:
     return tmp_path / "run"
 
 
+@pytest.fixture
+def fresh_accelerate_state():
+    """Accelerate used in this process (main(), a prepared loader): its process-wide singletons reset around it."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
 # train.py run through a wrapper that can inject a failure at a step (`hook`, with `step` and `metrics` in scope)
 # or patch a function before training (`extra`), then the normal command line.
 WRAPPER = """

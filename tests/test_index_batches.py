@@ -14,17 +14,6 @@ from src.tasks.causal_lm import TokenBlocks
 from tests.conftest import assert_ok, assert_processes, read_metrics, run_train, run_with_hook, series
 
 
-@pytest.fixture
-def accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
 @pytest.fixture(scope="module")
 def digits():
     return build_task(resolve(TrainConfig())).build_datasets()[0]  # 1,438 train images, labels
@@ -46,7 +35,7 @@ def both_ways(dataset, processes: int, rank: int, drop_last: bool, epoch: int, s
 
 @pytest.mark.parametrize("processes", [1, 2, 3])
 @pytest.mark.parametrize("drop_last", [True, False])  # False: a short last batch, or shards padded from the start
-def test_index_batches_are_the_dataloaders(accelerate_state, digits, processes, drop_last):
+def test_index_batches_are_the_dataloaders(fresh_accelerate_state, digits, processes, drop_last):
     for rank in range(processes):
         for epoch, skip in ((0, 0), (1, 0), (1, 5)):  # another permutation per epoch; a resumed epoch
             by_loader, by_index = both_ways(digits, processes, rank, drop_last, epoch, skip)

@@ -9,18 +9,6 @@ from src.config import TrainConfig
 from tests.conftest import QUICK, assert_ok, assert_processes, read_metrics, run_train, series
 
 
-@pytest.fixture
-def fresh_accelerate_state():
-    """main() in this process: reset Accelerate's process-wide singletons before and after."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
 @pytest.mark.slow
 def test_default_example_reaches_95_percent(out):
     result = run_train("--output_dir", str(out))
