@@ -51,6 +51,8 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
 
     use_cpu = not has_accelerator()
     check_launch(use_cpu)
+    if use_cpu:
+        keep_freed_host_memory()
     state = PartialState(cpu=use_cpu)  # forms the process group; its size fixes the gradient accumulation
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched != state.num_processes:
@@ -84,6 +86,24 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
         )
     except ValueError as err:  # e.g. fp16 without a GPU, or an accelerate config this machine can't run
         raise UsageError(f"Accelerate cannot run this setup: {' '.join(str(err).split())}") from err
+
+
+def keep_freed_host_memory() -> None:
+    """On the CPU, stop glibc's malloc from giving each step's freed activations back to the OS, only to page-fault
+    them in again at the next step: 0-1,240 minor faults per step of the digits CNN here (measured), a count that
+    differs from process to process and moved the same loop's speed by 20%. Fixed thresholds stop it: blocks under
+    32 MB come from the heap (glibc's default starts at 128 KB and moves), and up to 1 GB free at its top is kept.
+    Peak memory is unchanged; memory freed after the peak may stay with the process. glibc only, and not when
+    GLIBC_TUNABLES sets malloc options (yours win)."""
+    import ctypes
+
+    libc = os.confstr("CS_GNU_LIBC_VERSION") if "CS_GNU_LIBC_VERSION" in os.confstr_names else ""
+    if not libc.startswith("glibc") or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+        return
+    mallopt = ctypes.CDLL(None).mallopt  # the C library this process runs on
+    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+    mallopt(m_mmap_threshold, 32 << 20)  # glibc's maximum
+    mallopt(m_trim_threshold, 1 << 30)
 
 
 def summed_loss_scale(accelerator, task, window: list) -> torch.Tensor:

@@ -43,12 +43,17 @@ class LossWindow:
         self.values.append(loss.detach())
 
     def reduced(self) -> torch.Tensor:
-        """The window's values, each averaged over processes; raises on a non-finite one unless skipping."""
+        """The window's values, each averaged over processes; raises on a non-finite one unless skipping (then
+        they are left out)."""
         if not self.values:
             return torch.zeros(0)
-        window = self.accelerator.reduce(torch.stack(self.values).float(), reduction="mean")
+        window = torch.stack(self.values).float()
+        if self.accelerator.num_processes > 1:  # on one process there is nothing to average
+            window = self.accelerator.reduce(window, reduction="mean")
         finite = torch.isfinite(window)
-        if not self.skip_nonfinite and not bool(finite.all()):
+        if bool(finite.all()):
+            return window
+        if not self.skip_nonfinite:
             bad_step = self.first_step + int((~finite).nonzero()[0]) // self.accumulation
             raise TrainingDiverged(
                 f"the training loss became NaN/inf at step {bad_step}; the last checkpoint before it is intact. "

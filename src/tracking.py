@@ -156,10 +156,24 @@ def format_value(value) -> str:
     return str(value)
 
 
+class NoProgressBar:
+    """What the loop calls on a progress bar, doing nothing: a disabled tqdm still formats every postfix."""
+
+    def update(self):
+        pass
+
+    def set_postfix(self, **values):
+        pass
+
+    def close(self):
+        pass
+
+
 def progress_bar(accelerator, total: int, initial: int = 0):
     """tqdm on the main process when stdout is a terminal; otherwise the periodic log lines are the progress."""
+    if not (accelerator.is_main_process and sys.stdout.isatty()):
+        return NoProgressBar()
     from tqdm.auto import tqdm
 
-    enabled = accelerator.is_main_process and sys.stdout.isatty()
     size = shutil.get_terminal_size()  # 80x24 where a pseudo-terminal reports 0x0 (tqdm would then draw nothing)
-    return tqdm(total=total, initial=initial, disable=not enabled, unit="step", ncols=size.columns, nrows=size.lines)
+    return tqdm(total=total, initial=initial, unit="step", ncols=size.columns, nrows=size.lines)
