@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from accelerate.tracking import GeneralTracker
 
-from src.checkpoint import METRICS_FILE
+from src.checkpoint import DVCLIVE_DIR, METRICS_FILE, MLFLOW_STORE
 from src.config import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ def start_tracking(accelerator, config: TrainConfig, resume_run_id: str | None =
     init_kwargs = {
         "wandb": wandb_kwargs,
         "mlflow": {"run_name": config.run_name, "tags": mlflow_tags},
-        "dvclive": {"dir": str(Path(config.output_dir) / "dvclive")},  # not ./dvclive in the working directory
+        "dvclive": {"dir": str(Path(config.output_dir) / DVCLIVE_DIR)},  # not ./dvclive in the working directory
     }
     accelerator.init_trackers(config.project_name, config=loggable(config.to_dict()), init_kwargs=init_kwargs)
     if "wandb" in config.report_to and accelerator.is_main_process:
@@ -97,7 +97,7 @@ def configure_mlflow(config: TrainConfig) -> None:
         return
     import mlflow
 
-    uri = f"sqlite:///{Path(config.output_dir).resolve() / 'mlflow.db'}"
+    uri = f"sqlite:///{Path(config.output_dir).resolve() / MLFLOW_STORE}"
     mlflow.set_tracking_uri(uri)
     logger.info("mlflow: logging to %s; browse with `mlflow ui --backend-store-uri %s`", uri, uri)
 

@@ -48,8 +48,11 @@ def test_existing_run_is_not_clobbered(out):
     assert result.stderr.strip().splitlines()[-1].startswith(f"error: {out} already holds a run")
     assert (out / "metrics.jsonl").read_bytes() == before
 
+    (out / "mlflow.db").write_bytes(b"the previous run's")  # what --report_to mlflow,dvclive leaves (src/tracking.py)
+    (out / "dvclive").mkdir()
     assert_ok(run_train(*QUICK, "--output_dir", str(out), "--overwrite_output_dir", "true"))
     assert len(series(read_metrics(out), "train/loss")) == 3  # replaced, not appended
+    assert not (out / "mlflow.db").exists() and not (out / "dvclive").exists()  # nothing of it mixes into this run
 
 
 @pytest.mark.slow
