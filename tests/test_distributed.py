@@ -127,4 +127,4 @@ def test_cpu_steps_do_not_page_fault_their_activations_back_in():
         result = run_python("-c", FAULTS_PER_STEP, side)
         assert_ok(result)
         faults[side] = float(result.stdout.split()[-1])
-    assert faults["template"] < 1 < 50 < faults["plain"], faults
+    assert faults["template"] < 5 < 50 < faults["plain"], faults  # measured: 0-1.3 vs 480-680

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from src.errors import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_USAGE, EXIT_WRITE_FAILED
-from tests.conftest import QUICK, REPO, assert_ok, read_metrics, run_command, run_train, run_with_hook
+from tests.conftest import QUICK, REPO, assert_ok, launch_command, read_metrics, run_command, run_train, run_with_hook
 
 DIGITS = REPO / "data" / "digits"
 
@@ -216,7 +216,9 @@ def test_broken_accelerate_config(tmp_path):
 def test_bad_input_on_two_processes_stops_both(tmp_path, build_args, pattern):
     """Both processes find the problem before any collective, say it and exit: none is left waiting for the other
     (timeout=300 only guards against a hang; the launcher returns in seconds)."""
-    result = run_train(*QUICK, "--output_dir", str(tmp_path / "run"), *build_args(tmp_path), processes=2, timeout=300)
+    launch = launch_command(2)
+    launch[-1:-1] = ["--monitor_interval", "3"]  # the launcher stops the others when one fails: let both say why
+    result = run_command([*launch, *QUICK, "--output_dir", str(tmp_path / "run"), *build_args(tmp_path)], timeout=300)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 2 and all(pattern in line for line in errors)  # one line from each of the 2 processes
