@@ -112,19 +112,24 @@ def step():  # activations of 0.5 and 1 MB, freed at each step's end: the digits
 for _ in range(20):
     step()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(100):
+for _ in range(200):
     step()
-print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 100)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 200)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"), reason="glibc's malloc only")
 def test_cpu_steps_do_not_page_fault_their_activations_back_in():
-    """glibc's default malloc returns each step's freed activations to the OS and faults them in again (hundreds of
-    minor faults per step); after build_accelerator on the CPU the heap keeps them (src/distributed.py)."""
+    """glibc's malloc returns freed activations above its mmap threshold to the OS and faults them in again at the
+    next step (its threshold starts at 128 KB and moves with the process's history: 43-960 faults per step of this
+    loop measured); after build_accelerator on the CPU the heap keeps them (src/distributed.py), unless the user's
+    GLIBC_TUNABLES sets malloc options."""
+    glibc_start = {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}  # glibc's initial threshold, held fixed
     faults = {}
-    for side in ("plain", "template"):
-        result = run_python("-c", FAULTS_PER_STEP, side)
+    for name, side, env in (("glibc", "plain", glibc_start), ("template", "template", {}),
+                            ("template, user's tunables", "template", glibc_start)):  # fmt: skip
+        result = run_python("-c", FAULTS_PER_STEP, side, env=env)
         assert_ok(result)
-        faults[side] = float(result.stdout.split()[-1])
-    assert faults["template"] < 5 < 50 < faults["plain"], faults  # measured: 0-1.3 vs 480-680
+        faults[name] = float(result.stdout.split()[-1])
+    assert faults["template"] < 5 < 50 < min(faults["glibc"], faults["template, user's tunables"]), faults
