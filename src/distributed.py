@@ -97,7 +97,7 @@ def keep_freed_host_memory() -> None:
     GLIBC_TUNABLES sets malloc options (yours win)."""
     import ctypes
 
-    libc = os.confstr("CS_GNU_LIBC_VERSION") if "CS_GNU_LIBC_VERSION" in os.confstr_names else ""
+    libc = os.confstr("CS_GNU_LIBC_VERSION") if "CS_GNU_LIBC_VERSION" in getattr(os, "confstr_names", {}) else ""
     if not libc.startswith("glibc") or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
         return
     mallopt = ctypes.CDLL(None).mallopt  # the C library this process runs on

@@ -1,6 +1,6 @@
 """The core promise: the same command trains the same way on 1 and N processes, with exact metrics."""
 
-import os
+import platform
 
 import pytest
 import torch
@@ -119,7 +119,7 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 200)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"), reason="glibc's malloc only")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
 def test_cpu_steps_do_not_page_fault_their_activations_back_in():
     """glibc's malloc returns freed activations above its mmap threshold to the OS and faults them in again at the
     next step (its threshold starts at 128 KB and moves with the process's history: 43-960 faults per step of this
