@@ -115,6 +115,11 @@ command_line(train.main)(sys.argv[1:])
 """
 
 
+def signal_at(step: int, name: str = "SIGKILL") -> str:
+    """A run_with_hook hook: the process sends itself signal `name` at log step `step` (SIGKILL: no handler runs)."""
+    return f"if step == {step}: os.kill(os.getpid(), signal.{name})"
+
+
 def run_with_hook(tmp_path: Path, args: list[str], hook: str = "pass", extra: str = "", processes: int = 1, **kwargs):
     script = tmp_path / "wrapped_train.py"
     script.write_text(WRAPPER.format(repo=str(REPO), hook=hook, extra=extra))

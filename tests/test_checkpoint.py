@@ -13,6 +13,7 @@ from tests.conftest import (
     run_command,
     run_with_hook,
     series,
+    signal_at,
 )
 
 RUN = ["--max_steps", "60", "--logging_steps", "1", "--save_steps", "10", "--eval_steps", "25"]
@@ -42,7 +43,7 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(tmp_path, uninterru
     """22 steps per epoch: the kill at step 27 resumes from step_20, in the middle of epoch 0."""
     out = tmp_path / "run"
     args = [*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "latest"]
-    killed = run_with_hook(tmp_path, args, "if step == 27: os.kill(os.getpid(), signal.SIGKILL)", processes=processes)
+    killed = run_with_hook(tmp_path, args, signal_at(27), processes=processes)
     assert killed.returncode != 0
     assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step_10", "step_20"]
 
@@ -88,7 +89,7 @@ def test_sigterm_on_one_process_saves_on_all_and_exits_75(tmp_path, uninterrupte
 def test_preemption_signal_on_one_process_saves_and_exits_75(tmp_path, signal_name):
     """SLURM's --signal (USR1 or TERM before the time limit): a checkpoint at the next step, marked preempted."""
     out = tmp_path / "run"
-    hook = f"if step == 5: os.kill(os.getpid(), signal.{signal_name})"
+    hook = signal_at(5, signal_name)
     result = run_with_hook(tmp_path, [*RUN, "--output_dir", str(out)], hook)
     assert result.returncode == EXIT_PREEMPTED
     assert result.stderr.strip().splitlines()[-1].startswith("preempted: checkpoint")

@@ -10,7 +10,17 @@ import pandas as pd
 import pytest
 
 from src.errors import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_USAGE, EXIT_WRITE_FAILED
-from tests.conftest import QUICK, REPO, assert_ok, launch_command, read_metrics, run_command, run_train, run_with_hook
+from tests.conftest import (
+    QUICK,
+    REPO,
+    assert_ok,
+    launch_command,
+    read_metrics,
+    run_command,
+    run_train,
+    run_with_hook,
+    signal_at,
+)
 
 DIGITS = REPO / "data" / "digits"
 
@@ -192,7 +202,7 @@ accelerate.Accelerator.save_state = save_or_fail
 def test_ctrl_c_exits_cleanly(tmp_path):
     out = tmp_path / "run"
     result = run_with_hook(tmp_path, [*QUICK, "--max_steps", "30", "--output_dir", str(out)],
-                           hook="if step == 4: os.kill(os.getpid(), signal.SIGINT)")  # fmt: skip
+                           hook=signal_at(4, "SIGINT"))  # fmt: skip
     assert result.returncode == EXIT_INTERRUPTED
     assert result.stderr.strip().splitlines()[-1].startswith("interrupted")
     assert "Traceback" not in result.stderr

@@ -21,6 +21,7 @@ from tests.conftest import (
     run_train,
     run_with_hook,
     series,
+    signal_at,
 )
 
 pytest.importorskip("transformers")
@@ -250,7 +251,7 @@ def test_resumed_text_classification_continues_bit_for_bit(assets, tmp_path):
                           "--global_batch_size", "16")  # fmt: skip
     assert_ok(run_train(*args, "--output_dir", str(full)))
     resume = [*args, "--output_dir", str(out), "--resume_from_checkpoint", "latest"]
-    killed = run_with_hook(tmp_path, resume, "if step == 6: os.kill(os.getpid(), signal.SIGKILL)")
+    killed = run_with_hook(tmp_path, resume, signal_at(6))
     assert killed.returncode != 0
     assert_ok(run_with_hook(tmp_path, resume))
     assert series(read_metrics(out), "train/loss") == series(read_metrics(full), "train/loss")  # bit for bit

@@ -11,7 +11,7 @@ from src.config import TrainConfig, resolve
 from src.data import EpochOrder, IndexBatches, LoaderBatches, gatherable, known_sequence
 from src.tasks import build_task
 from src.tasks.causal_lm import TokenBlocks
-from tests.conftest import assert_ok, assert_processes, read_metrics, run_train, run_with_hook, series
+from tests.conftest import assert_ok, assert_processes, read_metrics, run_train, run_with_hook, series, signal_at
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def test_index_path_trains_and_resumes_like_the_dataloader(tmp_path, processes):
     assert_ok(run_train(*loader_args, processes=processes))
     index_run = tmp_path / "index"
     args = [*RUN, "--output_dir", str(index_run), "--resume_from_checkpoint", "latest"]
-    killed = run_with_hook(tmp_path, args, "if step == 27: os.kill(os.getpid(), signal.SIGKILL)", processes=processes)
+    killed = run_with_hook(tmp_path, args, signal_at(27), processes=processes)
     assert killed.returncode != 0
     assert_ok(run_with_hook(tmp_path, args, processes=processes))
     for run in (loader_run, index_run):

@@ -13,15 +13,7 @@ import torch
 from src.checkpoint import BestModel, TrainerState, rotate_checkpoints
 from src.config import TrainConfig, parse_config
 from src.errors import UsageError
-from tests.conftest import (
-    REPO,
-    assert_ok,
-    read_metrics,
-    run_command,
-    run_train,
-    run_with_hook,
-    series,
-)
+from tests.conftest import REPO, assert_ok, read_metrics, run_command, run_train, run_with_hook, series, signal_at
 
 DIGITS = REPO / "data" / "digits"
 TRAIN = ["--max_steps", "40", "--eval_steps", "10", "--logging_steps", "10"]
@@ -168,7 +160,7 @@ def test_load_best_model_at_end_keeps_the_best_checkpoint_and_model_evaluates_to
     assert eval_results(out)["eval/accuracy"] == accuracy[best_step]
 
     # killed after the step-20 checkpoint and resumed: the same best step, the same model/
-    kill = "if step == 30: os.kill(os.getpid(), signal.SIGKILL)"
+    kill = signal_at(30)
     assert best_run(tmp_path, "killed", hook=kill).returncode == -9
     resumed = best_run(tmp_path, "killed", ["--resume_from_checkpoint", "latest"])
     assert_ok(resumed)

@@ -23,6 +23,7 @@ from tests.conftest import (
     run_python,
     run_with_hook,
     series,
+    signal_at,
 )
 
 SHARDS = 8
@@ -135,7 +136,7 @@ def test_sigkill_mid_stream_then_resume_matches_uninterrupted(tmp_path, shards, 
     out = tmp_path / "run"
     args = [*stream_args(shards, *RUN), "--dataloader_num_workers", str(workers), "--output_dir", str(out),
             "--resume_from_checkpoint", "latest"]  # fmt: skip
-    kill = "if step == 35: os.kill(os.getpid(), signal.SIGKILL)"
+    kill = signal_at(35)
     killed = run_with_hook(tmp_path, args, kill, processes=processes)
     assert killed.returncode != 0
     assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step_20", "step_30"]

@@ -20,6 +20,7 @@ from tests.conftest import (
     run_python,
     run_with_hook,
     series,
+    signal_at,
 )
 
 
@@ -64,7 +65,7 @@ def test_resumed_run_continues_the_same_wandb_run(tmp_path):
     args = [*QUICK, "--max_steps", "10", "--output_dir", str(out), "--report_to", "wandb",
             "--resume_from_checkpoint", "latest"]  # fmt: skip
     env = no_wandb_credentials(tmp_path)
-    hook = "if step == 4: os.kill(os.getpid(), signal.SIGTERM)"
+    hook = signal_at(4, "SIGTERM")
     assert run_with_hook(tmp_path, args, hook, env=env).returncode == 75
     assert_ok(run_with_hook(tmp_path, args, env=env))
     run_ids = {path.name.rsplit("-", 1)[1] for path in offline_runs(out)}
