@@ -34,9 +34,7 @@ def load_splits(config: TrainConfig, names: list[str] | None = None):
     available = list(splits if splits is not None else config.data_files)
     missing = [name for name in names if name not in available]
     if missing:
-        where = "set" if config.dataset_name else "add it to --data_files or set"
-        raise UsageError(f"the data has no split {missing[0]!r} (it has {', '.join(available)}); "
-                         f"{where} {split_flag(config, missing[0])}")  # fmt: skip
+        raise missing_split(config, missing[0], available)
     if splits is None:  # local files: only those of the named splits are read
         files = {split: config.data_files[split] for split in names}
         builder = file_builder(files)
@@ -56,6 +54,13 @@ def has_split(config: TrainConfig, name: str) -> bool:
     if config.dataset_name:
         return name in load_hub_dataset(config)
     return name in config.data_files
+
+
+def missing_split(config: TrainConfig, name: str, available: list[str]) -> UsageError:
+    """The error for a split the data lacks (read in full or streamed), naming the flag that fixes it."""
+    where = "set" if config.dataset_name else "add it to --data_files or set"
+    flag = split_flag(config, name)
+    return UsageError(f"the data has no split {name!r} (it has {', '.join(available)}); {where} {flag}")
 
 
 def split_flag(config: TrainConfig, split: str) -> str:

@@ -33,7 +33,7 @@ def load_stream(config: TrainConfig, split: str):
     """One split as a `datasets` IterableDataset: local files (glob patterns allowed) or a Hub dataset."""
     import datasets
 
-    from src.data import FILE_BUILDERS, check_hub_repo
+    from src.data import FILE_BUILDERS, check_hub_repo, missing_split
 
     datasets.disable_progress_bars()
     if config.dataset_name:
@@ -41,9 +41,7 @@ def load_stream(config: TrainConfig, split: str):
         return datasets.load_dataset(config.dataset_name, config.dataset_config_name, split=split, streaming=True)
     pattern = config.data_files.get(split)
     if pattern is None:
-        raise UsageError(
-            f"the data has no split {split!r} (it has {', '.join(config.data_files)}); add it to --data_files"
-        )
+        raise missing_split(config, split, list(config.data_files))
     files = sorted(glob.glob(pattern))
     if not files:
         raise UsageError(f"no file matches the {split} data_files pattern {pattern} (run from the repo root?)")
