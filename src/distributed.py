@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from src.config import TrainConfig, resolve_global_batch
-from src.errors import LaunchError, UsageError
+from src.errors import UsageError
+from src.strategy import accelerator_options, check_launch, check_strategy, enable_fsdp_on_cpu, partial_state_options
 
 logger = logging.getLogger(__name__)
 
@@ -28,32 +29,15 @@ def has_accelerator() -> bool:
     return torch.accelerator.is_available() if hasattr(torch, "accelerator") else torch.cuda.is_available()
 
 
-def check_launch(use_cpu: bool) -> None:
-    """What an accelerate config asks for that this machine can't give: one line instead of a traceback per rank."""
-    import importlib.util
-
-    asked = [name for name in ("FSDP", "DEEPSPEED") if os.environ.get(f"ACCELERATE_USE_{name}", "").lower() == "true"]
-    for name in asked:
-        label = {"FSDP": "FSDP", "DEEPSPEED": "DeepSpeed"}[name]
-        if use_cpu:
-            raise LaunchError(
-                f"the accelerate config asks for {label}, which needs GPUs, and this machine has none; "
-                "use accelerate_configs/ddp.yaml (gloo DDP on the CPU) or accelerate_configs/cpu.yaml"
-            )
-        if name == "DEEPSPEED" and importlib.util.find_spec("deepspeed") is None:
-            raise LaunchError("the accelerate config asks for DeepSpeed, which is not installed; "
-                              "`pip install deepspeed`, or use accelerate_configs/fsdp.yaml")  # fmt: skip
-
-
 def build_accelerator(config: TrainConfig, log_with: list | None = None):
     from accelerate import Accelerator, DataLoaderConfiguration, PartialState
     from accelerate.utils import GradientAccumulationPlugin
 
     use_cpu = not has_accelerator()
-    check_launch(use_cpu)
+    check_launch(use_cpu, config.mixed_precision, config.max_grad_norm)
     if use_cpu:
         keep_freed_host_memory()
-    state = PartialState(cpu=use_cpu)  # forms the process group; its size fixes the gradient accumulation
+    state = PartialState(**partial_state_options(use_cpu))  # forms the process group; its size fixes accumulation
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched != state.num_processes:
         raise UsageError(
@@ -64,9 +48,9 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
     options = {"mixed_precision": config.mixed_precision} if config.mixed_precision else {}
     if config.tf32 is not None and not use_cpu:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = config.tf32
+    strategy_options = accelerator_options(use_cpu, config.max_grad_norm)  # cpu, and what FSDP/DeepSpeed need
     try:
-        return Accelerator(
-            cpu=use_cpu,
+        accelerator = Accelerator(
             log_with=log_with,
             project_dir=config.output_dir,
             # sync_with_dataloader=False: the loop runs whole accumulation windows only, so no partial window at
@@ -82,10 +66,15 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
             # on the CPU everything already is where it runs; placement would only re-check each batch (~1% of the
             # benchmark's tiny model step, in an A/B of the data loader alone)
             device_placement=not use_cpu,
+            **strategy_options,
             **options,
         )
     except ValueError as err:  # e.g. fp16 without a GPU, or an accelerate config this machine can't run
         raise UsageError(f"Accelerate cannot run this setup: {' '.join(str(err).split())}") from err
+    if "fsdp_plugin" in strategy_options:  # FSDP on CPU processes: what Accelerate does for GPUs only
+        enable_fsdp_on_cpu(accelerator, strategy_options["fsdp_plugin"])
+    check_strategy(accelerator, config)
+    return accelerator
 
 
 def keep_freed_host_memory() -> None:
@@ -120,8 +109,6 @@ def compile_model(model: nn.Module, accelerator, mode: str | None) -> nn.Module:
     """`--torch_compile`: `torch.compile` of the prepared model (outside DDP/FSDP, as Accelerate's own
     `dynamo_backend` does). Compiles at the first call; evaluation compiles its own graph. Save the plain model,
     not this wrapper: its state dict's keys carry an `_orig_mod.` prefix."""
-    if accelerator.distributed_type.value == "DEEPSPEED":
-        raise UsageError("--torch_compile is not supported with DeepSpeed here; use DDP or FSDP, or compile off")
     return torch.compile(model, mode=mode)
 
 
