@@ -60,6 +60,7 @@ from src.errors import TrainingPreempted, command_line
 from src.meters import LossWindow, StepTimer, peak_memory_gb, step_profiler, throughput_metrics
 from src.metrics import load_metrics
 from src.optim import EarlyStopping, build_optimizer, build_scheduler
+from src.strategy import ShardMemory, strategy_of
 from src.streaming import StreamPosition, build_stream_loader, stream_batches
 from src.tasks import build_task
 from src.tasks.base import task_errors
@@ -145,9 +146,9 @@ def train(config: TrainConfig) -> dict:
 
     # --- resume: weights, optimiser, scheduler and RNG from the checkpoint; the data position from the step ---
     checkpoint = find_resume_checkpoint(config)
-    state = TrainerState(global_batch=global_batch, world_size=accelerator.num_processes)
+    state = TrainerState(global_batch=global_batch, world_size=accelerator.num_processes, strategy=strategy_of(model))
     if checkpoint:
-        state = load_checkpoint(accelerator, checkpoint, global_batch)
+        state = load_checkpoint(accelerator, checkpoint, expected=state)
         logger.info("resuming from %s at step %d", checkpoint, state.step)
 
     # --- the run directory and trackers: only now that all input has been validated ---
@@ -162,6 +163,7 @@ def train(config: TrainConfig) -> dict:
     skipped_steps = 0
     timer = StepTimer(step)
     throughput = throughput_metrics(task, accelerator)  # tokens/s and MFU for tasks that count tokens
+    shard_memory = ShardMemory(accelerator, model, optimizer)  # each process's parameter and optimiser bytes, once
     early_stopping = EarlyStopping(config, state)
     best_model = BestModel(config, state)  # metric_for_best_model: a new best is checkpointed and kept
     eval_metrics = {}  # the latest evaluation's
@@ -213,6 +215,7 @@ def train(config: TrainConfig) -> dict:
                     "train/peak_memory_gb": peak_memory_gb(accelerator.device),
                     "epoch": step / steps_per_epoch if steps_per_epoch else stream_position.epoch,
                     **({"train/skipped_steps": skipped_steps} if config.skip_nonfinite_batches else {}),
+                    **shard_memory.metrics(),
                 }, step)  # fmt: skip
                 progress.set_postfix(loss=f"{train_loss:.4f}", samples_per_s=f"{global_batch / step_time:.0f}")
                 timer.restart(step)

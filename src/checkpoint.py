@@ -13,7 +13,7 @@ import logging
 import os
 import shutil
 import signal
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -48,6 +48,7 @@ class TrainerState:
     window_first_step: int = 1
     global_batch: int = 0
     world_size: int = 1
+    strategy: str | None = None  # setup/strategy of the run that saved it: "DDP", "FSDP2", "DeepSpeed ZeRO-3", ...
     tracker_run_id: str | None = None
     preempted: bool = False  # saved because of SIGTERM/SIGUSR1: scripts/slurm requeue the job on it
     best_metric: float | None = None  # early stopping
@@ -301,23 +302,41 @@ def rotate_checkpoints(output_dir: Path, keep: int | None, keep_step: int | None
                 shutil.rmtree(old)
 
 
-def load_checkpoint(accelerator, path: Path, global_batch: int) -> TrainerState:
-    """Restore model, optimiser, scheduler and RNG states on every process; refuse an incompatible checkpoint."""
+def load_checkpoint(accelerator, path: Path, expected: TrainerState) -> TrainerState:
+    """Restore model, optimiser, scheduler and RNG states on every process; refuse an incompatible checkpoint.
+    `expected`: this run's global batch, process count and strategy."""
     try:
         state = TrainerState(**json.loads((path / STATE_FILE).read_text()))
     except (ValueError, TypeError) as err:
         raise UsageError(f"checkpoint {path} is corrupt ({STATE_FILE}: {err}); resume from another one") from err
-    if state.global_batch != global_batch:
+    if state.global_batch != expected.global_batch:
         raise UsageError(
-            f"checkpoint {path} was trained with a global batch of {state.global_batch}, this run has {global_batch}; "
-            f"set --global_batch_size {state.global_batch} to resume it"
+            f"checkpoint {path} was trained with a global batch of {state.global_batch}, this run has "
+            f"{expected.global_batch}; set --global_batch_size {state.global_batch} to resume it"
         )
+    check_same_sharding(path, state, expected)
     try:
         accelerator.load_state(str(path))
     except Exception as err:  # torch, safetensors and pickle each raise their own kinds for a bad file
         message = " ".join(str(err).split())[:300]
         raise UsageError(f"checkpoint {path} does not fit this model/optimiser or is damaged: {message}") from err
-    return state
+    return replace(state, world_size=expected.world_size, strategy=expected.strategy)  # this run's, from now
+
+
+UNSHARDED = ("single process", "DDP")  # checkpoints of a whole model: they load on any process count
+
+
+def check_same_sharding(path: Path, saved: TrainerState, expected: TrainerState) -> None:
+    """A sharded checkpoint (FSDP2's DCP shards, DeepSpeed's ZeRO partitions) holds one file set per process of the
+    strategy that wrote it: it resumes under that strategy on that many processes."""
+    if saved.strategy is None or (saved.strategy in UNSHARDED and expected.strategy in UNSHARDED):
+        return  # whole-model checkpoints (or one written before strategies were recorded)
+    if (saved.strategy, saved.world_size) != (expected.strategy, expected.world_size):
+        raise UsageError(
+            f"checkpoint {path} was saved by {saved.strategy} on {saved.world_size} processes and this run is "
+            f"{expected.strategy} on {expected.world_size}; resume it with the accelerate config it was trained "
+            f"with and --num_processes {saved.world_size}"
+        )
 
 
 def truncate_metrics(output_dir: Path, step: int) -> None:

@@ -7,7 +7,7 @@ The traps this module closes (each measured, see README "How it works"):
 - The global batch must not change with the process count: `global_batch_size` fixes it and accumulation is
   derived from it.
 - The seedable sampler makes the data order independent of the process count.
-- BatchNorm statistics are per process unless converted to SyncBatchNorm, which torch allows on CUDA only.
+- BatchNorm statistics are per process unless synchronised: nn.SyncBatchNorm on CUDA, CPUSyncBatchNorm on CPU.
 """
 
 import contextlib
@@ -21,6 +21,7 @@ from torch import nn
 from src.config import TrainConfig, resolve_global_batch
 from src.errors import UsageError
 from src.strategy import accelerator_options, check_launch, check_strategy, enable_fsdp_on_cpu, partial_state_options
+from src.sync_batchnorm import convert_cpu_sync_batchnorm
 
 logger = logging.getLogger(__name__)
 
@@ -123,17 +124,20 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
 
 
 def sync_batchnorm(model: nn.Module, accelerator) -> nn.Module:
-    """BatchNorm -> SyncBatchNorm on multi-process CUDA; elsewhere statistics stay per process (warn once)."""
+    """BatchNorm statistics over the whole global micro-batch on N processes: nn.SyncBatchNorm on CUDA,
+    src/sync_batchnorm.py's CPUSyncBatchNorm on CPU processes (torch's is CUDA-only)."""
     has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     if not has_batchnorm or accelerator.num_processes == 1:
         return model
     if accelerator.device.type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if accelerator.device.type == "cpu":
+        return convert_cpu_sync_batchnorm(model)
     logger.warning(
-        "BatchNorm statistics are per process: torch supports SyncBatchNorm on CUDA only, so this %d-process "
-        "%s run normalises each process's batch separately (use --norm group for identical results).",
-        accelerator.num_processes,
+        "BatchNorm statistics are per process: no synchronised BatchNorm on %s, so this %d-process run normalises "
+        "each process's batch separately (use --norm group for identical results).",
         accelerator.device.type,
+        accelerator.num_processes,
     )
     return model
 

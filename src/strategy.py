@@ -16,7 +16,6 @@ devices only:
 
 import importlib.util
 import os
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -40,17 +39,22 @@ def check_launch(use_cpu: bool, mixed_precision: str | None, max_grad_norm: floa
     strategy = requested_strategy()
     precision = mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     if use_cpu and precision == "fp16":
-        raise LaunchError("fp16 mixed precision needs a GPU and this machine has none; "
-                          "use --mixed_precision bf16 (or no) on the CPU")  # fmt: skip
+        raise LaunchError(
+            "fp16 mixed precision needs a GPU and this machine has none; use --mixed_precision bf16 (or no) on the CPU"
+        )
     if strategy == DEEPSPEED:
         if importlib.util.find_spec("deepspeed") is None:
-            raise LaunchError("the accelerate config asks for DeepSpeed, which is not installed; "
-                              "`pip install deepspeed`, or use accelerate_configs/fsdp.yaml")  # fmt: skip
+            raise LaunchError(
+                "the accelerate config asks for DeepSpeed, which is not installed; "
+                "`pip install deepspeed`, or use accelerate_configs/fsdp.yaml"
+            )
         clipping = os.environ.get("ACCELERATE_GRADIENT_CLIPPING")
         if clipping not in (None, "auto", "none") and float(clipping) != max_grad_norm:
-            raise LaunchError(f"the accelerate config sets gradient_clipping {clipping} but --max_grad_norm is "
-                              f"{max_grad_norm}; remove gradient_clipping from the config (train.py sets DeepSpeed's "
-                              "from --max_grad_norm) or make them equal")  # fmt: skip
+            raise LaunchError(
+                f"the accelerate config sets gradient_clipping {clipping} but --max_grad_norm is "
+                f"{max_grad_norm}; remove gradient_clipping from the config (train.py sets DeepSpeed's "
+                "from --max_grad_norm) or make them equal"
+            )
     if not use_cpu:
         return
     offloaded = [
@@ -63,11 +67,15 @@ def check_launch(use_cpu: bool, mixed_precision: str | None, max_grad_norm: floa
         if strategy and value != "none"
     ]
     if offloaded:
-        raise LaunchError(f"the accelerate config offloads to the CPU ({', '.join(offloaded)}), but this machine "
-                          "trains on the CPU already; set it to none (false) in the config")  # fmt: skip
+        raise LaunchError(
+            f"the accelerate config offloads to the CPU ({', '.join(offloaded)}), but this machine "
+            "trains on the CPU already; set it to none (false) in the config"
+        )
     if strategy == FSDP and os.environ.get("FSDP_VERSION", "1") != "2":
-        raise LaunchError("the accelerate config asks for FSDP version 1, which needs GPUs, and this machine has "
-                          "none; use accelerate_configs/fsdp.yaml (FSDP2: fsdp_version: 2)")  # fmt: skip
+        raise LaunchError(
+            "the accelerate config asks for FSDP version 1, which needs GPUs, and this machine has "
+            "none; use accelerate_configs/fsdp.yaml (FSDP2: fsdp_version: 2)"
+        )
 
 
 def accelerator_options(use_cpu: bool, max_grad_norm: float) -> dict:
@@ -105,16 +113,20 @@ def enable_fsdp_on_cpu(accelerator, plugin) -> None:
 
     state = accelerator.state
     if state.distributed_type != DistributedType.MULTI_CPU:
-        raise LaunchError(f"FSDP on CPU processes expects Accelerate's MULTI_CPU state, got {state.distributed_type} "
-                          f"(accelerate changed?); use accelerate_configs/ddp.yaml on this machine")  # fmt: skip
+        raise LaunchError(
+            f"FSDP on CPU processes expects Accelerate's MULTI_CPU state, got {state.distributed_type} "
+            f"(accelerate changed?); use accelerate_configs/ddp.yaml on this machine"
+        )
     state.distributed_type = DistributedType.FSDP
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     state.fsdp_plugin = plugin
     if state.mixed_precision != "no":
         plugin.set_mixed_precision(state.mixed_precision)
     if not (accelerator.distributed_type == DistributedType.FSDP and accelerator.is_fsdp2):
-        raise LaunchError("this Accelerate did not take FSDP on CPU processes (src/strategy.py); "
-                          "use accelerate_configs/ddp.yaml on this machine")  # fmt: skip
+        raise LaunchError(
+            "this Accelerate did not take FSDP on CPU processes (src/strategy.py); "
+            "use accelerate_configs/ddp.yaml on this machine"
+        )
 
 
 def check_strategy(accelerator, config) -> None:
@@ -122,28 +134,36 @@ def check_strategy(accelerator, config) -> None:
     if accelerator.distributed_type.value != DEEPSPEED:
         return
     if config.skip_nonfinite_batches:  # Accelerate's DeepSpeed backward() also steps: the check would come after it
-        raise UsageError("--skip_nonfinite_batches does not work with DeepSpeed (its engine steps inside "
-                         "backward, before the gradient norm can be checked); use FSDP or DDP, or turn it off")  # fmt: skip
+        raise UsageError(
+            "--skip_nonfinite_batches does not work with DeepSpeed (its engine steps inside "
+            "backward, before the gradient norm can be checked); use FSDP or DDP, or turn it off"
+        )
     if config.torch_compile:
         raise UsageError("--torch_compile is not supported with DeepSpeed here; use DDP or FSDP, or compile off")
 
 
-@dataclass
-class Sharding:
-    """What the prepared model really is, and the bytes each process holds: the proof that a strategy ran."""
+class ShardMemory:
+    """The proof that a strategy shards: each process's parameter and optimiser-state bytes, measured on the prepared
+    objects once per start, after the first optimiser step (a torch optimiser's state exists only from then).
+    Logged as the largest over the processes: what has to fit on every device."""
 
-    strategy: str  # "DDP", "FSDP2", "DeepSpeed ZeRO-2", ... or "single process"
-    param_bytes: int  # this process's parameters (its shards under FSDP2 / ZeRO-3)
-    optimizer_state_bytes: int  # this process's optimiser state (its partition under ZeRO and FSDP2)
+    def __init__(self, accelerator, model: nn.Module, optimizer):
+        self.accelerator, self.model, self.optimizer, self.logged = accelerator, model, optimizer, False
 
-
-def describe_sharding(model: nn.Module, optimizer) -> Sharding:
-    """Measured on the prepared objects, not read from the config: a silent fallback to DDP shows here."""
-    return Sharding(strategy_of(model), sum(local_bytes(p) for p in model.parameters()),
-                    sum(local_bytes(t) for t in optimizer_state_tensors(optimizer)))  # fmt: skip
+    def metrics(self) -> dict:
+        """Call at the same step on every process (it gathers); {} after the first call."""
+        if self.logged:
+            return {}
+        self.logged = True
+        params = sum(local_bytes(p) for p in self.model.parameters())
+        state = sum(local_bytes(t) for t in optimizer_state_tensors(self.optimizer))
+        sizes = torch.tensor([[params, state]], dtype=torch.float64, device=self.accelerator.device)
+        largest = self.accelerator.gather(sizes).amax(dim=0).tolist()
+        return {"memory/param_bytes": int(largest[0]), "memory/optimizer_state_bytes": int(largest[1])}
 
 
 def strategy_of(model: nn.Module) -> str:
+    """Read off the prepared model, not the config: a silent fallback to DDP shows here."""
     from torch.distributed.tensor import DTensor
 
     if type(model).__name__ == "DeepSpeedEngine":  # a prepared DeepSpeed model; deepspeed is not imported otherwise
@@ -153,6 +173,13 @@ def strategy_of(model: nn.Module) -> str:
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return "DDP"
     return "single process"
+
+
+def fsdp_units(model: nn.Module) -> int:
+    """How many modules FSDP2 sharded on their own (`fully_shard` per transformer block, plus the root)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return sum(isinstance(module, FSDPModule) for module in model.modules())
 
 
 def local_bytes(tensor: torch.Tensor) -> int:

@@ -18,7 +18,7 @@ from accelerate.tracking import GeneralTracker
 
 from src.checkpoint import DVCLIVE_DIR, METRICS_FILE, MLFLOW_STORE
 from src.config import TrainConfig
-from src.strategy import strategy_of
+from src.strategy import fsdp_units, strategy_of
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +134,8 @@ def setup_metrics(accelerator, model, config: TrainConfig, global_batch: int) ->
 
     return {
         "setup/parameters": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),  # ZeRO-3: ds_numel
-        "setup/strategy": strategy_of(model),  # read off the prepared model: a fallback to DDP shows here
+        "setup/strategy": strategy_of(model),
+        **({"setup/fsdp_units": fsdp_units(model)} if strategy_of(model) == "FSDP2" else {}),
         "setup/world_size": accelerator.num_processes,
         "setup/per_device_batch": config.per_device_train_batch_size,
         "setup/global_batch": global_batch,

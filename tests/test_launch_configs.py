@@ -146,21 +146,20 @@ def test_comment_launch_command_parses_and_resolves(path, command, monkeypatch):
 
 def test_fsdp_config_reaches_accelerates_fsdp_plugin(monkeypatch):
     from accelerate.utils import FullyShardedDataParallelPlugin
-    from torch.distributed.fsdp import ShardingStrategy, StateDictType
-    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+    from torch.distributed.fsdp import StateDictType
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
     env = resolve_launch(["--config_file", "accelerate_configs/fsdp.yaml", "train.py"], monkeypatch)["env"]
     assert env["ACCELERATE_MIXED_PRECISION"] == "bf16"
-    assert env["FSDP_SYNC_MODULE_STATES"] == "true"
-    worker_env = {key: value for key, value in env.items() if key.startswith("FSDP_")}
-    worker_env["FSDP_SYNC_MODULE_STATES"] = "false"  # true makes the plugin ask for the current GPU
-    with patch_environment(**worker_env):  # a worker builds its plugin from these variables
-        plugin = FullyShardedDataParallelPlugin()
-    assert plugin.fsdp_version == 1
-    assert plugin.sharding_strategy == ShardingStrategy.FULL_SHARD
+    with patch_environment(**{key: value for key, value in env.items() if key.startswith("FSDP_")}):
+        plugin = FullyShardedDataParallelPlugin()  # as a worker builds it, from these variables
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
     assert plugin.state_dict_type == StateDictType.SHARDED_STATE_DICT
-    assert plugin.auto_wrap_policy is size_based_auto_wrap_policy and plugin.min_num_params == 100_000_000
-    assert plugin.use_orig_params and not plugin.cpu_ram_efficient_loading and not plugin.cpu_offload.offload_params
+    assert plugin.auto_wrap_policy is transformer_auto_wrap_policy
+    assert plugin.transformer_cls_names_to_wrap is None  # the model's _no_split_modules (GPT2Block, BertLayer)
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    assert not plugin.cpu_ram_efficient_loading and not isinstance(plugin.cpu_offload, CPUOffloadPolicy)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -178,7 +177,7 @@ def test_deepspeed_config_reaches_accelerates_deepspeed_plugin(stage, monkeypatc
     assert config["zero_optimization"]["offload_param"]["device"] == "none"
     assert config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is (stage == 3)
     assert plugin.zero3_init_flag is (stage == 3)
-    assert config["gradient_clipping"] == 1.0
+    assert config["gradient_clipping"] == "auto"  # train.py sets it from --max_grad_norm (src/strategy.py)
     # not fixed by the config: accelerate fills in train.py's accumulation (derived from global_batch_size)
     assert config["gradient_accumulation_steps"] == "auto"
 
