@@ -3,9 +3,9 @@
     python scripts/launch.py --config_file accelerate_configs/ddp.yaml train.py --learning_rate 1e-3
 
 Takes exactly the arguments of `accelerate launch`. A missing or broken config file, or one this machine can't run
-(FSDP or DeepSpeed without a GPU, DeepSpeed not installed), is reported as one `error:` line and exit code 2 before
-any process starts. (`accelerate launch` itself answers with a traceback; train.py catches the second case too, but
-there the launcher adds its own ChildFailedError report after train.py's one line.)
+(DeepSpeed not installed; on a CPU-only machine: fp16, CPU offload, FSDP version 1), is reported as one `error:` line
+and exit code 2 before any process starts. (`accelerate launch` itself answers with a traceback; train.py catches
+the second case too, but there the launcher adds its own ChildFailedError report after train.py's one line.)
 """
 
 import os
@@ -32,23 +32,36 @@ def check_config_file(path: str) -> str | None:
     except Exception as err:  # yaml, enum and dataclass errors: any of them means the file is unusable
         reason = " ".join(str(err).split())
         return f"accelerate config {path} is invalid ({reason}); fix it or regenerate it with `accelerate config`"
-    return check_machine(path, str(getattr(config, "distributed_type", "")))
+    problem = check_machine(config)
+    return f"accelerate config {path}: {problem}" if problem else None
 
 
-def check_machine(path: str, distributed_type: str) -> str | None:
-    """The same check train.py makes in every process (src/distributed.py: check_launch), once, before launching."""
-    import importlib.util
+def check_machine(config) -> str | None:
+    """The check train.py makes in every process (src/strategy.py: check_launch), once, before launching: the
+    config's settings passed as the variables `accelerate launch` would give the processes."""
+    from accelerate.utils import patch_environment
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from src.distributed import has_accelerator
+    from src.errors import LaunchError
+    from src.strategy import check_launch
 
-    wanted = next((name for name in ("FSDP", "DEEPSPEED") if name in distributed_type.upper()), None)
-    label = {"FSDP": "FSDP", "DEEPSPEED": "DeepSpeed"}.get(wanted)
-    if wanted and not has_accelerator():
-        return (f"accelerate config {path} asks for {label}, which needs GPUs, and this machine has none; "
-                "use accelerate_configs/ddp.yaml (gloo DDP on the CPU) or accelerate_configs/cpu.yaml")  # fmt: skip
-    if wanted == "DEEPSPEED" and importlib.util.find_spec("deepspeed") is None:
-        return f"accelerate config {path} asks for DeepSpeed, which is not installed; `pip install deepspeed`"
+    distributed_type = str(getattr(config, "distributed_type", "")).upper()
+    fsdp, deepspeed = getattr(config, "fsdp_config", {}) or {}, getattr(config, "deepspeed_config", {}) or {}
+    launched = {
+        "ACCELERATE_USE_FSDP": str("FSDP" in distributed_type).lower(),
+        "ACCELERATE_USE_DEEPSPEED": str("DEEPSPEED" in distributed_type).lower(),
+        "ACCELERATE_MIXED_PRECISION": str(getattr(config, "mixed_precision", "no")),
+        "FSDP_VERSION": str(fsdp.get("fsdp_version", 1)),
+        "FSDP_OFFLOAD_PARAMS": str(fsdp.get("fsdp_offload_params", False)).lower(),
+        "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": str(deepspeed.get("offload_optimizer_device", "none")),
+        "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": str(deepspeed.get("offload_param_device", "none")),
+    }
+    try:
+        with patch_environment(**launched):
+            check_launch(use_cpu=not has_accelerator(), mixed_precision=None)
+    except LaunchError as err:
+        return str(err)
     return None
 
 

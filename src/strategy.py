@@ -33,9 +33,10 @@ def requested_strategy() -> str | None:
     return None
 
 
-def check_launch(use_cpu: bool, mixed_precision: str | None, max_grad_norm: float) -> None:
+def check_launch(use_cpu: bool, mixed_precision: str | None, max_grad_norm: float | None = None) -> None:
     """What an accelerate config asks for that this machine can't give, found by every process before any of them
-    forms a group: one line (from the main process) instead of a traceback per rank."""
+    forms a group: one line (from the main process) instead of a traceback per rank. `max_grad_norm` None: the
+    DeepSpeed clipping is not compared (scripts/launch.py, which checks the config file alone)."""
     strategy = requested_strategy()
     precision = mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     if use_cpu and precision == "fp16":
@@ -49,7 +50,7 @@ def check_launch(use_cpu: bool, mixed_precision: str | None, max_grad_norm: floa
                 "`pip install deepspeed`, or use accelerate_configs/fsdp.yaml"
             )
         clipping = os.environ.get("ACCELERATE_GRADIENT_CLIPPING")
-        if clipping not in (None, "auto", "none") and float(clipping) != max_grad_norm:
+        if max_grad_norm is not None and clipping not in (None, "auto", "none") and float(clipping) != max_grad_norm:
             raise LaunchError(
                 f"the accelerate config sets gradient_clipping {clipping} but --max_grad_norm is "
                 f"{max_grad_norm}; remove gradient_clipping from the config (train.py sets DeepSpeed's "

@@ -16,12 +16,13 @@ LAUNCHER_VARIABLES = {"WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER
 QUICK = ["--max_steps", "6", "--logging_steps", "2", "--eval_steps", "1000"]
 
 
-def launch_command(processes: int) -> list[str]:
+def launch_command(processes: int, config: str = "ddp") -> list[str]:
+    """`python train.py`, or `accelerate launch` of accelerate_configs/<config>.yaml on `processes` processes."""
     if processes == 1:
         return [sys.executable, "train.py"]
     return [
         sys.executable, "-m", "accelerate.commands.launch",
-        "--config_file", "accelerate_configs/ddp.yaml", "--num_processes", str(processes),
+        "--config_file", f"accelerate_configs/{config}.yaml", "--num_processes", str(processes),
         "--main_process_port", str(free_port()), "train.py",
     ]  # fmt: skip
 
@@ -34,9 +35,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_train(*args: str, processes: int = 1, **kwargs) -> subprocess.CompletedProcess:
-    """Run train.py in a fresh process (or N of them) from the repo root."""
-    return run_command([*launch_command(processes), *args], **kwargs)
+def run_train(*args: str, processes: int = 1, config: str = "ddp", **kwargs) -> subprocess.CompletedProcess:
+    """Run train.py in a fresh process (or N of them, launched with accelerate_configs/<config>.yaml) from the repo
+    root."""
+    return run_command([*launch_command(processes, config), *args], **kwargs)
 
 
 def run_python(*args: str, **kwargs) -> subprocess.CompletedProcess:
@@ -120,8 +122,29 @@ def signal_at(step: int, name: str = "SIGKILL") -> str:
     return f"if step == {step}: os.kill(os.getpid(), signal.{name})"
 
 
-def run_with_hook(tmp_path: Path, args: list[str], hook: str = "pass", extra: str = "", processes: int = 1, **kwargs):
+def run_with_hook(
+    tmp_path: Path,
+    args: list[str],
+    hook: str = "pass",
+    extra: str = "",
+    processes: int = 1,
+    config: str = "ddp",
+    **kwargs,
+):
     script = tmp_path / "wrapped_train.py"
     script.write_text(WRAPPER.format(repo=str(REPO), hook=hook, extra=extra))
-    command = [part if part != "train.py" else str(script) for part in launch_command(processes)]
+    command = [part if part != "train.py" else str(script) for part in launch_command(processes, config)]
     return run_command([*command, *args], **kwargs)
+
+
+@pytest.fixture(scope="session")
+def hf_assets(tmp_path_factory) -> dict[str, str]:
+    """A tiny BERT and GPT-2 with tokenizers trained here, and a text-classification data set: all offline, built
+    once per test run (tests/test_hf.py, tests/test_sharded.py)."""
+    pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("hf")
+    assert_ok(run_python("scripts/make_tiny_model.py", "--kind", "bert", "--out", str(root / "bert")))
+    assert_ok(run_python("scripts/make_tiny_model.py", "--kind", "gpt2", "--out", str(root / "gpt2")))
+    assert_ok(run_python("scripts/make_text_data.py", "--out", str(root / "text")))
+    data = f"{{train: {root / 'text' / 'train.jsonl'}, eval: {root / 'text' / 'eval.jsonl'}}}"
+    return {"bert": str(root / "bert"), "gpt2": str(root / "gpt2"), "data": data, "eval": str(root / "text/eval.jsonl")}

@@ -11,7 +11,9 @@ from tests.conftest import (
     assert_ok,
     assert_processes,
     free_port,
+    launch_command,
     read_metrics,
+    run_command,
     run_python,
     run_train,
     series,
@@ -55,6 +57,14 @@ def test_eval_metrics_equal_on_1_and_2_processes(one_and_two_processes):
     )
 
 
+def test_ddp_holds_a_whole_copy_on_each_process(one_and_two_processes):
+    """The baseline of tests/test_sharded.py's memory figures: DDP's processes each hold all of it."""
+    one, two = (next(row for row in one_and_two_processes[n][1] if "memory/param_bytes" in row) for n in (1, 2))
+    assert one_and_two_processes[2][1][0]["setup/strategy"] == "DDP"
+    assert two["memory/param_bytes"] == one["memory/param_bytes"] > 0
+    assert two["memory/optimizer_state_bytes"] == one["memory/optimizer_state_bytes"] > 0
+
+
 def test_two_processes_log_each_line_once(one_and_two_processes, tmp_path):
     result, rows = one_and_two_processes[2]
     steps = [row["step"] for row in rows if "train/loss" in row]
@@ -62,6 +72,34 @@ def test_two_processes_log_each_line_once(one_and_two_processes, tmp_path):
     console = result.stdout + result.stderr
     assert console.count("step 7 | train/loss") == 1
     assert console.count("model saved to") == 1
+
+
+@pytest.mark.slow
+def test_batchnorm_on_2_processes_trains_like_1_process_with_the_whole_batch(tmp_path):
+    """--norm batch, per-device batch 32 on 2 CPU processes (BatchNorm synchronised, src/sync_batchnorm.py) vs one
+    process with the batch of 64, no accumulation on either: the same statistics, so the same per-step loss, eval
+    (running statistics) and saved running statistics."""
+    from safetensors.torch import load_file
+
+    runs = {}
+    for processes, per_device in ((1, "64"), (2, "32")):
+        runs[processes] = tmp_path / f"p{processes}"
+        result = run_train(*SAME_RUN, "--norm", "batch", "--per_device_train_batch_size", per_device,
+                           "--output_dir", str(runs[processes]), processes=processes)  # fmt: skip
+        assert_ok(result)
+        assert_processes(runs[processes], processes)
+        assert read_metrics(runs[processes])[0]["setup/gradient_accumulation"] == 1
+    one, two = (read_metrics(runs[n]) for n in (1, 2))
+    for key in ("train/loss", "eval/loss"):
+        assert list(series(two, key)) == list(series(one, key))
+        torch.testing.assert_close(torch.tensor(list(series(two, key).values())),
+                                   torch.tensor(list(series(one, key).values())), rtol=0, atol=1e-5)  # fmt: skip
+    assert series(two, "eval/accuracy") == series(one, "eval/accuracy")
+    saved = [load_file(runs[n] / "model" / "model.safetensors") for n in (1, 2)]
+    statistics = [key for key in saved[0] if key.endswith(("running_mean", "running_var"))]
+    assert statistics and set(saved[1]) == set(saved[0])
+    for key in statistics:
+        torch.testing.assert_close(saved[1][key], saved[0][key], rtol=0, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -95,6 +133,22 @@ def test_processes_that_form_no_group_are_refused(out, tmp_path):
     script.write_text(PLAIN_ACCELERATOR.format(repo=str(REPO)))
     command = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), str(script)]
     result = run_python(*command, *QUICK, "--output_dir", str(out))
+    assert result.returncode != 0
+    assert result.stderr.count("error: the launcher started 2 processes but they formed a group of 1") == 2
+    assert not out.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["fsdp", "deepspeed_zero2"])
+def test_sharded_processes_that_form_no_group_are_refused(out, tmp_path, config):
+    """The same guard under FSDP and DeepSpeed: without the gloo group src/strategy.py sets up, each process
+    would be rank 0 of 1."""
+    if config.startswith("deepspeed"):
+        pytest.importorskip("deepspeed")
+    script = tmp_path / "plain_accelerator.py"
+    script.write_text(PLAIN_ACCELERATOR.format(repo=str(REPO)))
+    command = [part if part != "train.py" else str(script) for part in launch_command(2, config)]
+    result = run_command([*command, *QUICK, "--output_dir", str(out), "--mixed_precision", "no"])
     assert result.returncode != 0
     assert result.stderr.count("error: the launcher started 2 processes but they formed a group of 1") == 2
     assert not out.exists()

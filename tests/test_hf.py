@@ -28,14 +28,8 @@ pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> dict[str, str]:
-    """A tiny BERT and GPT-2 with tokenizers trained here, and a text-classification data set: all offline."""
-    root = tmp_path_factory.mktemp("hf")
-    assert_ok(run_python("scripts/make_tiny_model.py", "--kind", "bert", "--out", str(root / "bert")))
-    assert_ok(run_python("scripts/make_tiny_model.py", "--kind", "gpt2", "--out", str(root / "gpt2")))
-    assert_ok(run_python("scripts/make_text_data.py", "--out", str(root / "text")))
-    data = f"{{train: {root / 'text' / 'train.jsonl'}, eval: {root / 'text' / 'eval.jsonl'}}}"
-    return {"bert": str(root / "bert"), "gpt2": str(root / "gpt2"), "data": data, "eval": str(root / "text/eval.jsonl")}
+def assets(hf_assets) -> dict[str, str]:
+    return hf_assets
 
 
 def classification(assets, *args) -> list[str]:

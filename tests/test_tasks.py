@@ -3,6 +3,7 @@
 import dataclasses
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from src.tasks import BUILT_IN, build_task, task_class, task_name
 from src.tasks.base import Task, task_errors
 from src.tasks.causal_lm import CausalLM
 from src.tasks.digits import Digits
-from tests.conftest import QUICK, assert_ok, launch_command, read_metrics, run_command, run_train, run_with_hook
+from tests.conftest import QUICK, REPO, assert_ok, launch_command, read_metrics, run_command, run_train, run_with_hook
 
 
 def digits_only(task: str) -> set[str]:
@@ -188,14 +189,52 @@ def test_samples_that_cannot_be_batched_say_so():
         check_first_batch(loader, Ragged(TrainConfig()))
 
 
-def test_launch_this_machine_cannot_run_is_one_line(monkeypatch):
-    from src.distributed import check_launch
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"ACCELERATE_MIXED_PRECISION": "fp16"}, "fp16 mixed precision needs a GPU"),
+        ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, "FSDP version 1, which needs GPUs.*fsdp_version: 2"),
+        ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "true"},
+         r"offloads to the CPU \(fsdp_offload_params\)"),
+        ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu"},
+         r"offloads to the CPU \(offload_optimizer_device\)"),
+        ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_GRADIENT_CLIPPING": "0.5"},
+         "sets gradient_clipping 0.5 but --max_grad_norm is 1.0"),
+    ],
+)  # fmt: skip
+def test_launch_this_machine_cannot_run_is_one_line(monkeypatch, env, message):
+    from src.strategy import check_launch
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(LaunchError, match=message):
+        check_launch(use_cpu=True, mixed_precision=None, max_grad_norm=1.0)
+
+
+def test_what_the_cpu_can_run_passes_the_launch_check(monkeypatch):
+    from src.strategy import check_launch
 
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    with pytest.raises(LaunchError, match="asks for FSDP, which needs GPUs.*accelerate_configs/ddp.yaml"):
-        check_launch(use_cpu=True)
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    check_launch(use_cpu=True, mixed_precision=None, max_grad_norm=1.0)
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
-    check_launch(use_cpu=True)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_GRADIENT_CLIPPING", "1.0")
+    check_launch(use_cpu=True, mixed_precision=None, max_grad_norm=1.0)
+    check_launch(use_cpu=False, mixed_precision="fp16", max_grad_norm=1.0)  # fp16 is refused on the CPU only
+
+
+def test_deepspeed_config_without_deepspeed_is_one_line(monkeypatch):
+    import importlib.util
+
+    from src.strategy import check_launch
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else find_spec(name))
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(LaunchError, match="asks for DeepSpeed, which is not installed; `pip install deepspeed`"):
+        check_launch(use_cpu=False, mixed_precision=None, max_grad_norm=1.0)
 
 
 def test_a_run_that_failed_before_its_first_step_blocks_nothing(tmp_path):
@@ -227,26 +266,45 @@ Digits.loss = loss
     assert [row["step"] for row in read_metrics(out) if "train/loss" in row] == [2, 4, 6]
 
 
-@pytest.mark.parametrize("config", ["fsdp.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml"])
-def test_launch_script_refuses_what_this_machine_cannot_run_in_one_line(config):
+def cpu_cannot_run(tmp_path: Path, config: str) -> Path:
+    """A shipped accelerate config changed to ask for what CPU processes can't do."""
+    text = (REPO / "accelerate_configs" / config).read_text()
+    changed = {
+        "ddp.yaml": text.replace("mixed_precision: 'no'", "mixed_precision: fp16"),
+        "fsdp.yaml": text.replace("fsdp_version: 2", "fsdp_version: 1"),
+        "deepspeed_zero3.yaml": text.replace("offload_param_device: none", "offload_param_device: cpu"),
+    }[config]
+    assert changed != text
+    path = tmp_path / config
+    path.write_text(changed)
+    return path
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [("ddp.yaml", "fp16 mixed precision needs a GPU"), ("fsdp.yaml", "asks for FSDP version 1"),
+     ("deepspeed_zero3.yaml", "offloads to the CPU (offload_param_device)")],
+)  # fmt: skip
+def test_launch_script_refuses_what_this_machine_cannot_run_in_one_line(tmp_path, config, message):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    result = run_command([sys.executable, "scripts/launch.py", "--config_file", f"accelerate_configs/{config}",
+    path = cpu_cannot_run(tmp_path, config)
+    result = run_command([sys.executable, "scripts/launch.py", "--config_file", str(path),
                           "--num_processes", "2", "train.py", *QUICK])  # fmt: skip
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]  # one line, nothing else
-    assert result.stderr.startswith(f"error: accelerate config accelerate_configs/{config} asks for ")
-    assert "use accelerate_configs/ddp.yaml" in result.stderr
+    assert result.stderr.startswith(f"error: accelerate config {path}: ")
+    assert message in result.stderr
 
 
 @pytest.mark.slow
-def test_plain_accelerate_launch_of_fsdp_says_why_once(tmp_path):
+def test_plain_accelerate_launch_of_fsdp_v1_says_why_once(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     command = [*launch_command(2), *QUICK, "--output_dir", str(tmp_path / "run")]
-    command[command.index("accelerate_configs/ddp.yaml")] = "accelerate_configs/fsdp.yaml"
+    command[command.index("accelerate_configs/ddp.yaml")] = str(cpu_cannot_run(tmp_path, "fsdp.yaml"))
     result = run_command(command)
     assert result.returncode != 0
-    assert result.stderr.count("error: the accelerate config asks for FSDP, which needs GPUs") == 1  # main process
+    assert result.stderr.count("error: the accelerate config asks for FSDP version 1, which needs GPUs") == 1
     assert "local_rank: 1" in result.stderr  # the launcher's report names the second process: 2 of them ran
     assert not (tmp_path / "run").exists()

@@ -6,7 +6,7 @@ import pytest
 from safetensors.torch import load_file
 
 from src.config import TrainConfig
-from tests.conftest import QUICK, assert_ok, assert_processes, read_metrics, run_train, series
+from tests.conftest import QUICK, assert_ok, read_metrics, run_train, series
 
 
 @pytest.mark.slow
@@ -53,14 +53,6 @@ def test_existing_run_is_not_clobbered(out):
     assert_ok(run_train(*QUICK, "--output_dir", str(out), "--overwrite_output_dir", "true"))
     assert len(series(read_metrics(out), "train/loss")) == 3  # replaced, not appended
     assert not (out / "mlflow.db").exists() and not (out / "dvclive").exists()  # nothing of it mixes into this run
-
-
-@pytest.mark.slow
-def test_batchnorm_on_two_cpu_processes_warns_once(out):
-    result = run_train(*QUICK, "--output_dir", str(out), "--norm", "batch", processes=2)
-    assert_ok(result)
-    assert_processes(out, 2)
-    assert (result.stdout + result.stderr).count("BatchNorm statistics are per process") == 1
 
 
 @pytest.mark.slow

@@ -1,0 +1,175 @@
+"""Sharded training on CPU processes over gloo: FSDP2, DeepSpeed ZeRO-2 and ZeRO-3 through the same train.py and the
+shipped accelerate configs, each proven against one process. Per strategy, on 2 processes: the strategy really ran
+(read off the prepared model, and the checkpoint holds one shard per process), the per-step loss equals one
+process's across a SIGKILL and resume, model/ reloads to the run's final eval metric, each process holds about half
+of the parameters (FSDP2, ZeRO-3) and of the optimiser state, and a sharded checkpoint is refused on another
+process count. Then the tiny GPT-2 with padded batches and accumulation: FSDP2 wraps each block, and every strategy
+trains as one process does and saves a model that from_pretrained loads to the run's eval loss."""
+
+import importlib.util
+import json
+import shutil
+
+import pytest
+import torch
+
+from tests.conftest import (
+    assert_ok,
+    assert_processes,
+    read_metrics,
+    run_python,
+    run_train,
+    run_with_hook,
+    series,
+    signal_at,
+)
+from tests.test_hf import LM_EVAL, language_modeling
+
+STRATEGIES = {"fsdp": "FSDP2", "deepspeed_zero2": "DeepSpeed ZeRO-2", "deepspeed_zero3": "DeepSpeed ZeRO-3"}
+# float32 (the shipped configs say bf16) so that the losses compare with one process's to 1e-5
+RUN = ["--max_steps", "30", "--logging_steps", "1", "--save_steps", "10", "--eval_steps", "15",
+       "--learning_rate", "1e-3", "--mixed_precision", "no"]  # fmt: skip
+KILLED_AT = 17  # after the checkpoint of step 10: the resumed run repeats steps 11-17
+
+pytestmark = pytest.mark.slow
+
+
+def strategy_params():
+    no_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="pip install deepspeed")
+    return [pytest.param(config, marks=[no_deepspeed] if "deepspeed" in config else []) for config in STRATEGIES]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    out = tmp_path_factory.mktemp("one") / "run"
+    assert_ok(run_train(*RUN, "--output_dir", str(out)))
+    return read_metrics(out)
+
+
+@pytest.fixture(scope="module", params=strategy_params())
+def sharded(request, tmp_path_factory):
+    """(config, output_dir, the resumed start's console): killed at step 17, then the same command again."""
+    config = request.param
+    out = tmp_path_factory.mktemp(config) / "run"
+    args = [*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "latest"]
+    killed = run_with_hook(out.parent, args, signal_at(KILLED_AT), processes=2, config=config)
+    assert killed.returncode != 0
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_10"]
+    resumed = run_with_hook(out.parent, args, processes=2, config=config)
+    assert_ok(resumed)
+    return config, out, resumed.stdout + resumed.stderr
+
+
+def test_the_strategy_really_ran_on_two_processes(sharded):
+    config, out, _ = sharded
+    assert_processes(out, 2)  # both starts
+    starts = [row for row in read_metrics(out) if "setup/strategy" in row]
+    assert [row["setup/strategy"] for row in starts] == [STRATEGIES[config]] * 2
+    checkpoint = out / "checkpoints" / "step_30"
+    if config == "fsdp":
+        assert all(row["setup/fsdp_units"] == 1 for row in starts)  # the CNN has no blocks: the root is the unit
+        assert len(list((checkpoint / "pytorch_model_fsdp_0").glob("*.distcp"))) == 2  # DCP: a shard per process
+    else:
+        partitions = sorted(path.name for path in (checkpoint / "pytorch_model").glob("*optim_states.pt"))
+        assert partitions == [f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" for rank in (0, 1)]
+
+
+def test_per_step_loss_equals_one_process_across_a_kill_and_resume(sharded, one_process):
+    _, out, console = sharded
+    assert "checkpoints/step_10 at step 10" in console  # "resuming from ..."
+    rows = read_metrics(out)
+    steps = [row["step"] for row in rows if "train/loss" in row]
+    assert steps == list(range(1, 31))  # the steps after the checkpoint logged once, by the resumed start
+    losses, expected = series(rows, "train/loss"), series(one_process, "train/loss")
+    torch.testing.assert_close(torch.tensor(list(losses.values())), torch.tensor(list(expected.values())),
+                               rtol=0, atol=1e-5)  # fmt: skip
+    assert series(rows, "eval/accuracy") == series(one_process, "eval/accuracy") and len(series(rows, "eval/loss")) == 2
+    assert series(rows, "eval/loss") == pytest.approx(series(one_process, "eval/loss"), abs=1e-5)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_20", "step_30"]  # rotation kept 2
+
+
+def test_model_reloads_to_the_runs_final_eval_metric(sharded, tmp_path):
+    """The consolidated model/model.safetensors (gathered from the shards), evaluated by a plain 1-process run."""
+    _, out, _ = sharded
+    result = run_train("--do_train", "false", "--model_name_or_path", str(out / "model"),
+                       "--output_dir", str(tmp_path / "eval"))  # fmt: skip
+    assert_ok(result)
+    evaluated = json.loads((tmp_path / "eval" / "eval_results.json").read_text())
+    final = read_metrics(out)[-1]
+    assert evaluated["eval/accuracy"] == final["eval/accuracy"] and evaluated["eval/num_samples"] == 359
+    assert evaluated["eval/loss"] == pytest.approx(final["eval/loss"], abs=1e-6)
+
+
+def test_each_process_holds_about_half_of_what_is_sharded(sharded, one_process):
+    """memory/*: the largest process's bytes, measured on the prepared model and optimiser; one process (= what DDP
+    holds on each) as the baseline."""
+    config, out, _ = sharded
+    full = next(row for row in one_process if "memory/param_bytes" in row)
+    measured = [row for row in read_metrics(out) if "memory/param_bytes" in row]
+    assert len(measured) == 2  # once per start
+    assert full["memory/param_bytes"] == 4 * read_metrics(out)[0]["setup/parameters"]  # float32, all of them
+    for row in measured:
+        params = row["memory/param_bytes"] / full["memory/param_bytes"]
+        state = row["memory/optimizer_state_bytes"] / full["memory/optimizer_state_bytes"]
+        assert state <= 0.6, (config, state)
+        if config == "deepspeed_zero2":
+            assert params == 1.0  # ZeRO-2 keeps every parameter on every process
+        else:
+            assert params <= 0.6, (config, params)
+
+
+def test_a_sharded_checkpoint_resumes_only_on_its_own_process_count(sharded, tmp_path):
+    config, out, _ = sharded
+    other = tmp_path / "run"
+    shutil.copytree(out / "checkpoints", other / "checkpoints")
+    result = run_train(*RUN, "--max_steps", "40", "--output_dir", str(other), "--resume_from_checkpoint", "latest")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: checkpoint {other}/checkpoints/step_30 was saved by {STRATEGIES[config]} on 2 processes and this run "
+        f"is single process on 1; resume it with the accelerate config it was trained with and --num_processes 2"
+    )
+    assert sorted(p.name for p in other.iterdir()) == ["checkpoints"]  # nothing written
+
+
+# --- a Hugging Face model: the tiny GPT-2, padded batches, 2 micro-batches accumulated per process ---
+
+
+def gpt2_run(hf_assets, per_device: int) -> list[str]:
+    return language_modeling(hf_assets, "--max_steps", "8", "--global_batch_size", "16",
+                             "--per_device_train_batch_size", str(per_device), "--mixed_precision", "no")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gpt2_one_process(hf_assets, tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpt2_one") / "run"
+    assert_ok(run_train(*gpt2_run(hf_assets, 16), "--output_dir", str(out)))
+    return read_metrics(out)
+
+
+@pytest.fixture(scope="module", params=strategy_params())
+def gpt2_sharded(request, hf_assets, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"gpt2_{request.param}") / "run"
+    assert_ok(run_train(*gpt2_run(hf_assets, 4), "--output_dir", str(out), processes=2, config=request.param))
+    assert_processes(out, 2)
+    return request.param, out
+
+
+def test_language_model_trains_as_one_process_does(gpt2_sharded, gpt2_one_process, hf_assets):
+    config, out = gpt2_sharded
+    rows = read_metrics(out)
+    assert rows[0]["setup/strategy"] == STRATEGIES[config] and rows[0]["setup/gradient_accumulation"] == 2
+    if config == "fsdp":  # fully_shard per GPT2Block (the model's _no_split_modules); Accelerate adds the tied
+        layers = json.loads((out / "model" / "config.json").read_text())["n_layer"]  # embedding + head, final norm
+        assert rows[0]["setup/fsdp_units"] == layers + 4  # h.0, h.1, wte, ln_f, lm_head, and the root
+    losses, expected = series(rows, "train/loss"), series(gpt2_one_process, "train/loss")
+    assert list(losses) == list(range(1, 9))
+    torch.testing.assert_close(torch.tensor(list(losses.values())), torch.tensor(list(expected.values())),
+                               rtol=0, atol=1e-5)  # fmt: skip
+    assert rows[-1]["eval/loss"] == pytest.approx(gpt2_one_process[-1]["eval/loss"], abs=1e-5)
+
+
+def test_saved_language_model_loads_with_from_pretrained_to_the_eval_loss(gpt2_sharded, hf_assets):
+    _, out = gpt2_sharded
+    result = run_python("-c", LM_EVAL, str(out / "model"), hf_assets["eval"])
+    assert_ok(result)
+    assert float(result.stdout.strip().splitlines()[-1]) == pytest.approx(read_metrics(out)[-1]["eval/loss"], rel=1e-5)
