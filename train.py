@@ -60,7 +60,7 @@ from src.errors import TrainingPreempted, command_line
 from src.meters import LossWindow, StepTimer, peak_memory_gb, step_profiler, throughput_metrics
 from src.metrics import load_metrics
 from src.optim import EarlyStopping, build_optimizer, build_scheduler
-from src.strategy import ShardMemory, strategy_of
+from src.strategy import ShardMemory, prepare_needs_optimizer, strategy_of
 from src.streaming import StreamPosition, build_stream_loader, stream_batches
 from src.tasks import build_task
 from src.tasks.base import task_errors
@@ -283,7 +283,8 @@ def evaluate_and_predict(config: TrainConfig) -> dict:
     test_loader = build_test_loader(task, config)
     model = task.load_model(config.model_name_or_path)
     metric = load_metrics(task.metrics if config.metrics is None else config.metrics)
-    model, eval_loader, test_loader = accelerator.prepare(model, eval_loader, test_loader)
+    unused_optimizer = build_optimizer(model, config) if prepare_needs_optimizer(accelerator) else None  # never stepped
+    model, _, eval_loader, test_loader = accelerator.prepare(model, unused_optimizer, eval_loader, test_loader)
     logger.info("using the model in %s; nothing is trained", config.model_name_or_path)
     with task_errors(task):
         metrics = {}

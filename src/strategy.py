@@ -143,6 +143,15 @@ def check_strategy(accelerator, config) -> None:
         raise UsageError("--torch_compile is not supported with DeepSpeed here; use DDP or FSDP, or compile off")
 
 
+def prepare_needs_optimizer(accelerator) -> bool:
+    """Whether `accelerator.prepare` refuses a model without an optimizer (an eval-only run): FSDP2 ("a model and
+    optimizer must be passed together") and DeepSpeed ZeRO-1/2 ("zero stage 2 requires an optimizer"). ZeRO-3
+    shards for inference without one (an optimizer would allocate its state)."""
+    if accelerator.distributed_type.value == DEEPSPEED:
+        return accelerator.state.deepspeed_plugin.zero_stage < 3
+    return accelerator.is_fsdp2
+
+
 class ShardMemory:
     """The proof that a strategy shards: each process's parameter and optimiser-state bytes, measured on the prepared
     objects once per start, after the first optimiser step (a torch optimiser's state exists only from then).

@@ -1,7 +1,8 @@
 """Sharded training on CPU processes over gloo: FSDP2, DeepSpeed ZeRO-2 and ZeRO-3 through the same train.py and the
 shipped accelerate configs, each proven against one process. Per strategy, on 2 processes: the strategy really ran
 (read off the prepared model, and the checkpoint holds one shard per process), the per-step loss equals one
-process's across a SIGKILL and resume, model/ reloads to the run's final eval metric, each process holds about half
+process's across a SIGKILL and resume, the best model is loaded at the end and model/ reloads to its eval metric
+under the same strategy, each process holds about half
 of the parameters (FSDP2, ZeRO-3) and of the optimiser state, and a sharded checkpoint is refused on another
 process count. Then the tiny GPT-2 with padded batches and accumulation: FSDP2 wraps each block, and every strategy
 trains as one process does and saves a model that from_pretrained loads to the run's eval loss."""
@@ -26,10 +27,12 @@ from tests.conftest import (
 from tests.test_hf import LM_EVAL, language_modeling
 
 STRATEGIES = {"fsdp": "FSDP2", "deepspeed_zero2": "DeepSpeed ZeRO-2", "deepspeed_zero3": "DeepSpeed ZeRO-3"}
-# float32 (the shipped configs say bf16) so that the losses compare with one process's to 1e-5
+# float32 (the shipped configs say bf16) so that the losses compare with one process's to 1e-5. The "best" model is
+# the one with the higher eval loss (step 15's, checkpointed as a new best), so that loading it at the end shows.
 RUN = ["--max_steps", "30", "--logging_steps", "1", "--save_steps", "10", "--eval_steps", "15",
-       "--learning_rate", "1e-3", "--mixed_precision", "no"]  # fmt: skip
-KILLED_AT = 17  # after the checkpoint of step 10: the resumed run repeats steps 11-17
+       "--learning_rate", "1e-3", "--mixed_precision", "no", "--metric_for_best_model", "eval/loss",
+       "--greater_is_better", "true", "--load_best_model_at_end", "true"]  # fmt: skip
+KILLED_AT = 17  # after the checkpoint of step 15: the resumed run repeats steps 16 and 17
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +57,7 @@ def sharded(request, tmp_path_factory):
     args = [*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "latest"]
     killed = run_with_hook(out.parent, args, signal_at(KILLED_AT), processes=2, config=config)
     assert killed.returncode != 0
-    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_10"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_10", "step_15"]
     resumed = run_with_hook(out.parent, args, processes=2, config=config)
     assert_ok(resumed)
     return config, out, resumed.stdout + resumed.stderr
@@ -76,7 +79,7 @@ def test_the_strategy_really_ran_on_two_processes(sharded):
 
 def test_per_step_loss_equals_one_process_across_a_kill_and_resume(sharded, one_process):
     _, out, console = sharded
-    assert "checkpoints/step_10 at step 10" in console  # "resuming from ..."
+    assert "checkpoints/step_15 at step 15" in console  # "resuming from ..."
     rows = read_metrics(out)
     steps = [row["step"] for row in rows if "train/loss" in row]
     assert steps == list(range(1, 31))  # the steps after the checkpoint logged once, by the resumed start
@@ -85,19 +88,28 @@ def test_per_step_loss_equals_one_process_across_a_kill_and_resume(sharded, one_
                                rtol=0, atol=1e-5)  # fmt: skip
     assert series(rows, "eval/accuracy") == series(one_process, "eval/accuracy") and len(series(rows, "eval/loss")) == 2
     assert series(rows, "eval/loss") == pytest.approx(series(one_process, "eval/loss"), abs=1e-5)
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_20", "step_30"]  # rotation kept 2
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_15", "step_20", "step_30"]  # best + 2
 
 
-def test_model_reloads_to_the_runs_final_eval_metric(sharded, tmp_path):
-    """The consolidated model/model.safetensors (gathered from the shards), evaluated by a plain 1-process run."""
-    _, out, _ = sharded
-    result = run_train("--do_train", "false", "--model_name_or_path", str(out / "model"),
-                       "--output_dir", str(tmp_path / "eval"))  # fmt: skip
+def test_the_best_model_is_loaded_and_saved_and_reloads_to_its_metric(sharded, tmp_path):
+    """--load_best_model_at_end loads step 15's sharded checkpoint; the consolidated model/model.safetensors
+    (gathered from the shards) is evaluated and predicted with by `--do_train false` under the same strategy: the
+    best evaluation's metrics, and a prediction per eval sample."""
+    config, out, _ = sharded
+    rows = read_metrics(out)
+    best = {key: value[15] for key in ("eval/loss", "eval/accuracy") if (value := series(rows, key))}
+    assert rows[-1]["best_model/step"] == 15 and best["eval/loss"] > series(rows, "eval/loss")[30]
+    final = json.loads((out / "eval_results.json").read_text())  # the run's final metrics: the best model's
+    assert final["eval/accuracy"] == best["eval/accuracy"] and final["eval/loss"] == pytest.approx(best["eval/loss"])
+    result = run_train("--do_train", "false", "--do_predict", "true", "--model_name_or_path", str(out / "model"),
+                       "--output_dir", str(tmp_path / "eval"), "--mixed_precision", "no",
+                       processes=2, config=config)  # fmt: skip
     assert_ok(result)
     evaluated = json.loads((tmp_path / "eval" / "eval_results.json").read_text())
-    final = read_metrics(out)[-1]
-    assert evaluated["eval/accuracy"] == final["eval/accuracy"] and evaluated["eval/num_samples"] == 359
-    assert evaluated["eval/loss"] == pytest.approx(final["eval/loss"], abs=1e-6)
+    assert evaluated["eval/accuracy"] == best["eval/accuracy"] and evaluated["eval/num_samples"] == 359
+    assert evaluated["eval/loss"] == pytest.approx(best["eval/loss"], abs=1e-6)
+    predictions = (tmp_path / "eval" / "predictions.jsonl").read_text().splitlines()
+    assert len(predictions) == 359 and set(json.loads(predictions[0])) == {"prediction", "probabilities"}
 
 
 def test_each_process_holds_about_half_of_what_is_sharded(sharded, one_process):
