@@ -60,7 +60,7 @@ from src.errors import TrainingPreempted, command_line
 from src.meters import LossWindow, StepTimer, peak_memory_gb, step_profiler, throughput_metrics
 from src.metrics import load_metrics
 from src.optim import EarlyStopping, build_optimizer, build_scheduler
-from src.strategy import ShardMemory, prepare_needs_optimizer, strategy_of
+from src.strategy import ShardMemory, cast_inputs_for_deepspeed, prepare_needs_optimizer, strategy_of
 from src.streaming import StreamPosition, build_stream_loader, stream_batches
 from src.tasks import build_task
 from src.tasks.base import task_errors
@@ -121,7 +121,7 @@ def train(config: TrainConfig) -> dict:
         check_first_batch(train_loader, task)
     test_loader = build_test_loader(task, config, pin_memory=on_gpu)  # None when the data has no test split
     model = task.load_model(config.model_name_or_path) if config.model_name_or_path else task.build_model()
-    model = sync_batchnorm(model, accelerator)
+    model = cast_inputs_for_deepspeed(sync_batchnorm(model, accelerator), accelerator)
     if config.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     metric = load_metrics(task.metrics if config.metrics is None else config.metrics)
@@ -132,7 +132,7 @@ def train(config: TrainConfig) -> dict:
     data = None if config.streaming else train_data(accelerator, train_loader, config, collate_fn)  # tensors: by index
     saved_model = model  # what the final model and exports save: the plain module, with or without compilation
     if config.torch_compile:
-        model = compile_model(model, accelerator, config.torch_compile_mode)  # the steps and evaluation, compiled
+        model = compile_model(model, config.torch_compile_mode)  # the steps and evaluation, compiled
 
     # --- how long: counted in optimiser steps, each seeing the same global batch on any process count ---
     # a trailing partial window is skipped, see distributed.py; a stream has no length: max_steps counts
@@ -281,7 +281,7 @@ def evaluate_and_predict(config: TrainConfig) -> dict:
         eval_set = task.build_eval_dataset(config.eval_split, labelled=config.do_eval)
         eval_loader = build_eval_loader(eval_set, config, task.collate_fn(), config.max_eval_samples)
     test_loader = build_test_loader(task, config)
-    model = task.load_model(config.model_name_or_path)
+    model = cast_inputs_for_deepspeed(task.load_model(config.model_name_or_path), accelerator)
     metric = load_metrics(task.metrics if config.metrics is None else config.metrics)
     unused_optimizer = build_optimizer(model, config) if prepare_needs_optimizer(accelerator) else None  # never stepped
     model, _, eval_loader, test_loader = accelerator.prepare(model, unused_optimizer, eval_loader, test_loader)

@@ -106,7 +106,7 @@ def summed_loss_scale(accelerator, task, window: list) -> torch.Tensor:
     return accelerator.num_processes * accelerator.gradient_accumulation_steps / items.clamp_min(1)
 
 
-def compile_model(model: nn.Module, accelerator, mode: str | None) -> nn.Module:
+def compile_model(model: nn.Module, mode: str | None) -> nn.Module:
     """`--torch_compile`: `torch.compile` of the prepared model (outside DDP/FSDP, as Accelerate's own
     `dynamo_backend` does). Compiles at the first call; evaluation compiles its own graph. Save the plain model,
     not this wrapper: its state dict's keys carry an `_orig_mod.` prefix."""

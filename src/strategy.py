@@ -143,6 +143,24 @@ def check_strategy(accelerator, config) -> None:
         raise UsageError("--torch_compile is not supported with DeepSpeed here; use DDP or FSDP, or compile off")
 
 
+def cast_inputs_for_deepspeed(model: nn.Module, accelerator) -> nn.Module:
+    """DeepSpeed bf16/fp16 keeps the weights themselves in 16 bits (no autocast), so float inputs must be cast to
+    them, as transformers' Trainer does for DeepSpeed (`_prepare_input`): a forward pre-hook on the model casts
+    every floating-point tensor argument. Token ids and labels (integers) pass unchanged. Elsewhere: nothing."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
+    if accelerator.distributed_type.value != DEEPSPEED or dtype is None:
+        return model
+
+    def cast(value):
+        return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+    def cast_inputs(module, args, kwargs):
+        return tuple(cast(arg) for arg in args), {name: cast(value) for name, value in kwargs.items()}
+
+    model.register_forward_pre_hook(cast_inputs, with_kwargs=True)
+    return model
+
+
 def prepare_needs_optimizer(accelerator) -> bool:
     """Whether `accelerator.prepare` refuses a model without an optimizer (an eval-only run): FSDP2 ("a model and
     optimizer must be passed together") and DeepSpeed ZeRO-1/2 ("zero stage 2 requires an optimizer"). ZeRO-3

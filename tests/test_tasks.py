@@ -225,6 +225,24 @@ def test_what_the_cpu_can_run_passes_the_launch_check(monkeypatch):
     check_launch(use_cpu=False, mixed_precision="fp16", max_grad_norm=1.0)  # fp16 is refused on the CPU only
 
 
+@pytest.mark.parametrize(
+    "flag, message",
+    [("skip_nonfinite_batches", "--skip_nonfinite_batches does not work with DeepSpeed"),
+     ("torch_compile", "--torch_compile is not supported with DeepSpeed")],
+)  # fmt: skip
+def test_what_deepspeed_cannot_do_is_one_line(flag, message):
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from src.strategy import check_strategy
+
+    config = dataclasses.replace(TrainConfig(), **{flag: True})
+    with pytest.raises(UsageError, match=message):
+        check_strategy(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED), config)
+    check_strategy(SimpleNamespace(distributed_type=DistributedType.FSDP), config)
+
+
 def test_deepspeed_config_without_deepspeed_is_one_line(monkeypatch):
     import importlib.util
 
