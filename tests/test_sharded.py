@@ -186,16 +186,3 @@ def test_saved_language_model_loads_with_from_pretrained_to_the_eval_loss(gpt2_s
     assert_ok(result)
     assert float(result.stdout.strip().splitlines()[-1]) == pytest.approx(read_metrics(out)[-1]["eval/loss"], rel=1e-5)
 
-
-@pytest.mark.parametrize("config", strategy_params())
-def test_bf16_as_the_shipped_configs_say(config, tmp_path):
-    """The configs as shipped (bf16) on CPU processes: autocast under FSDP2; under DeepSpeed 16-bit weights, so the
-    float images are cast to them (src/strategy.py: cast_inputs_for_deepspeed) or the first forward fails."""
-    out = tmp_path / "run"
-    assert_ok(run_train("--max_steps", "12", "--logging_steps", "4", "--eval_steps", "12", "--output_dir", str(out),
-                        processes=2, config=config))  # fmt: skip
-    rows = read_metrics(out)
-    assert (rows[0]["setup/strategy"], rows[0]["setup/mixed_precision"]) == (STRATEGIES[config], "bf16")
-    losses = series(rows, "train/loss")
-    assert list(losses) == [4, 8, 12] and losses[12] < losses[4]
-    assert rows[-1]["eval/num_samples"] == 359
