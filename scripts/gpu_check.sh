@@ -83,13 +83,16 @@ echo "| --- | --- | --- | --- |"
 # the GPU LM first: the MFU figure is this script's main number
 check lm_gpu_bf16_compiled "$OUT/lm_gpu_compiled" 300 "${LM[@]}" --torch_compile true --overwrite_output_dir true
 check digits_bf16 "$OUT/digits_bf16" 120 "${SINGLE[@]}" --overwrite_output_dir true
-check fsdp_1_process "$OUT/fsdp_1_process" 120 "${FSDP[@]}" --overwrite_output_dir true
-check fsdp_1_process_resumed "$OUT/fsdp_1_process" 90 "${FSDP[@]}" --max_steps 240 --resume_from_checkpoint latest
+check fsdp2_1_process "$OUT/fsdp2_1_process" 120 "${FSDP[@]}" --overwrite_output_dir true
+check fsdp2_1_process_resumed "$OUT/fsdp2_1_process" 90 "${FSDP[@]}" --max_steps 240 --resume_from_checkpoint latest
 if "$PY" -c "import deepspeed, transformers" 2>/dev/null; then
     check deepspeed_zero2_1_process "$OUT/deepspeed_zero2" 120 "${LAUNCH[@]}" \
         --config_file accelerate_configs/deepspeed_zero2.yaml --num_processes 1 train.py --overwrite_output_dir true
     check deepspeed_zero3_1_process "$OUT/deepspeed_zero3" 120 "${LAUNCH[@]}" \
         --config_file accelerate_configs/deepspeed_zero3.yaml --num_processes 1 train.py --overwrite_output_dir true
+    check deepspeed_zero3_1_process_resumed "$OUT/deepspeed_zero3" 90 "${LAUNCH[@]}" \
+        --config_file accelerate_configs/deepspeed_zero3.yaml --num_processes 1 train.py --max_steps 240 \
+        --resume_from_checkpoint latest
 else
     echo "| deepspeed | skipped: pip install deepspeed transformers | | |"
 fi

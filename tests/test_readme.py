@@ -37,10 +37,18 @@ def test_launch_command_runs(command, tmp_path):
         words[0] = sys.executable
     result = run_command([*words, *QUICK, "--output_dir", str(tmp_path / "run")], timeout=600)
     assert_ok(result)
-    expected_processes = int(words[words.index("--num_processes") + 1]) if "--num_processes" in words else 1
-    if "ddp.yaml" in command and "--num_processes" not in words:
-        expected_processes = 2
+    config = next((word for word in words if word.startswith("accelerate_configs/")), None)
+    launched = yaml.safe_load((REPO / config).read_text()) if config else {"num_processes": 1}
+    expected_processes = int(
+        words[words.index("--num_processes") + 1] if "--num_processes" in words else launched["num_processes"]
+    )
     assert_processes(tmp_path / "run", expected_processes)
+    strategy = {
+        "FSDP": "FSDP2",
+        "DEEPSPEED": f"DeepSpeed ZeRO-{launched.get('deepspeed_config', {}).get('zero_stage')}",
+    }
+    expected = strategy.get(launched.get("distributed_type"), "DDP" if expected_processes > 1 else "single process")
+    assert read_metrics(tmp_path / "run")[0]["setup/strategy"] == expected  # really sharded, not a DDP fallback
     if "cpu.yaml" in command:  # the CPU even where a GPU exists (on a machine without one: trivially)
         assert read_metrics(tmp_path / "run")[0]["setup/device"] == "cpu"
 

@@ -185,4 +185,3 @@ def test_saved_language_model_loads_with_from_pretrained_to_the_eval_loss(gpt2_s
     result = run_python("-c", LM_EVAL, str(out / "model"), hf_assets["eval"])
     assert_ok(result)
     assert float(result.stdout.strip().splitlines()[-1]) == pytest.approx(read_metrics(out)[-1]["eval/loss"], rel=1e-5)
-
