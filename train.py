@@ -120,13 +120,14 @@ def train(config: TrainConfig) -> dict:
         check_split_sizes(train_loader, eval_loader, global_batch, accelerator.num_processes)
         check_first_batch(train_loader, task)
     test_loader = build_test_loader(task, config, pin_memory=on_gpu)  # None when the data has no test split
+    predict_loader = build_predict_loader(task, config)  # --do_predict: the task's prediction inputs, else None
     model = task.load_model(config.model_name_or_path) if config.model_name_or_path else task.build_model()
     model = cast_inputs_for_deepspeed(sync_batchnorm(model, accelerator), accelerator)
     if config.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     metric = load_metrics(task.metrics if config.metrics is None else config.metrics)
-    model, optimizer, train_loader, eval_loader, test_loader = accelerator.prepare(
-        model, build_optimizer(model, config, fused=on_gpu), train_loader, eval_loader, test_loader
+    model, optimizer, train_loader, eval_loader, test_loader, predict_loader = accelerator.prepare(
+        model, build_optimizer(model, config, fused=on_gpu), train_loader, eval_loader, test_loader, predict_loader
     )
     optimizer = DirectOptimizer(accelerator, model, optimizer)  # backward / clip / step without wrapper overhead
     data = None if config.streaming else train_data(accelerator, train_loader, config, collate_fn)  # tensors: by index
@@ -250,10 +251,12 @@ def train(config: TrainConfig) -> dict:
             accelerator.load_state(str(checkpoint_dir(output_dir, state.best_model_step)))
             final_metrics = evaluate(task, model, eval_loader, metric, accelerator)  # equal to the best's: a check
             log_metrics(accelerator, best_model.summary(), step)
-        final_metrics = finish(accelerator, config, task, model, metric, final_metrics, eval_loader, test_loader, step)
-        model_dir = save_final_model(accelerator, task, saved_model, output_dir)
-        push_to_hub(accelerator, config, model_dir)
+        model_dir = save_final_model(accelerator, task, saved_model, output_dir)  # first: what follows reads more data
         logger.info("model saved to %s; metrics in %s", model_dir, output_dir / METRICS_FILE)
+        final_metrics = finish(
+            accelerator, config, task, model, metric, final_metrics, test_loader, predict_loader, step
+        )
+        push_to_hub(accelerator, config, model_dir)
     accelerator.end_training()
     return final_metrics
 
@@ -277,44 +280,61 @@ def evaluate_and_predict(config: TrainConfig) -> dict:
     setup_logging(accelerator)
     task = build_task(config)
     eval_loader = None
-    if config.do_eval or (config.do_predict and not has_split(config, config.test_split)):
-        eval_set = task.build_eval_dataset(config.eval_split, labelled=config.do_eval)
+    if config.do_eval:
+        eval_set = task.build_eval_dataset(config.eval_split)
         eval_loader = build_eval_loader(eval_set, config, task.collate_fn(), config.max_eval_samples)
     test_loader = build_test_loader(task, config)
+    predict_loader = build_predict_loader(task, config)
     model = cast_inputs_for_deepspeed(task.load_model(config.model_name_or_path), accelerator)
     metric = load_metrics(task.metrics if config.metrics is None else config.metrics)
     unused_optimizer = build_optimizer(model, config) if prepare_needs_optimizer(accelerator) else None  # never stepped
-    model, _, eval_loader, test_loader = accelerator.prepare(model, unused_optimizer, eval_loader, test_loader)
+    model, _, eval_loader, test_loader, predict_loader = accelerator.prepare(
+        model, unused_optimizer, eval_loader, test_loader, predict_loader
+    )
     logger.info("using the model in %s; nothing is trained", config.model_name_or_path)
     with task_errors(task):
         metrics = {}
         if config.do_eval:
             metrics = evaluate(task, model, eval_loader, metric, accelerator)
             log_metrics(accelerator, metrics, step=0)
-        return finish(accelerator, config, task, model, metric, metrics, eval_loader, test_loader, step=0)
+        return finish(accelerator, config, task, model, metric, metrics, test_loader, predict_loader, step=0)
 
 
 def build_test_loader(task, config: TrainConfig, pin_memory: bool = False):
-    """The test split when the data has one (labelled if it is evaluated, not if it is only predicted), else None."""
-    if not ((config.do_eval or config.do_predict) and has_split(config, config.test_split)):
+    """The labelled test split, evaluated at the end, when the data has one and --do_eval is on; else None."""
+    if not (config.do_eval and has_split(config, config.test_split)):
         return None
-    dataset = task.build_eval_dataset(config.test_split, labelled=config.do_eval)
+    dataset = task.build_eval_dataset(config.test_split)
     return build_eval_loader(dataset, config, task.collate_fn(), config.max_predict_samples, pin_memory)
 
 
-def finish(accelerator, config: TrainConfig, task, model, metric, metrics: dict, eval_loader, test_loader, step):
+def predicted_split(config: TrainConfig) -> str:
+    """--do_predict predicts the test split, or the eval split where the data has no test split."""
+    return config.test_split if has_split(config, config.test_split) else config.eval_split
+
+
+def build_predict_loader(task, config: TrainConfig):
+    """--do_predict: the task's prediction inputs of the predicted split (unlabelled: prompts for a language model,
+    not its eval blocks), one per input row, in order; else None."""
+    if not config.do_predict:
+        return None
+    inputs = task.build_eval_dataset(predicted_split(config), labelled=False)
+    return build_eval_loader(inputs, config, task.collate_fn(), config.max_predict_samples)
+
+
+def finish(accelerator, config: TrainConfig, task, model, metric, metrics: dict, test_loader, predict_loader, step):
     """After training, or instead of it: the test split's metrics, eval_results.json and, with --do_predict,
-    predictions.jsonl for the test split (the eval split if there is none). Returns all the metrics."""
+    predictions.jsonl. Returns all the metrics."""
     output_dir = Path(config.output_dir)
-    if config.do_eval and test_loader is not None:
+    if test_loader is not None:
         test_metrics = evaluate(task, model, test_loader, metric, accelerator, prefix="test")
         log_metrics(accelerator, test_metrics, step)
         metrics = {**metrics, **test_metrics}
     if metrics:
         write_atomically(accelerator, output_dir / EVAL_RESULTS_FILE, json.dumps(metrics, indent=2) + "\n")
-    if config.do_predict:
-        split = config.test_split if test_loader is not None else config.eval_split
-        rows = with_ids(predictions(task, model, test_loader or eval_loader, accelerator), config, split)
+    if predict_loader is not None:
+        split = predicted_split(config)
+        rows = with_ids(predictions(task, model, predict_loader, accelerator), task, split)
         write_atomically(accelerator, output_dir / PREDICTIONS_FILE, "".join(json.dumps(r) + "\n" for r in rows))
         logger.info("%d predictions of the %s split written to %s", len(rows), split, output_dir / PREDICTIONS_FILE)
     return metrics
@@ -380,15 +400,13 @@ def predictions(task, model, loader, accelerator) -> list[dict]:
     return task.prediction_rows(gathered)
 
 
-def with_ids(rows: list[dict], config: TrainConfig, split: str) -> list[dict]:
-    """Each row with the input's `id_column` first, when the split has one and a row per input row."""
-    from src.data import load_splits
-
-    data = load_splits(config, [split])[split]
-    if config.id_column not in data.column_names or len(rows) > len(data):
+def with_ids(rows: list[dict], task, split: str) -> list[dict]:
+    """Each row with its input row's id first (`--id_column`), when the task finds ids for the split's rows."""
+    ids = task.prediction_ids(split)
+    if ids is None or len(ids) < len(rows):  # no ids, or not one per row: the rows as they are
         return rows
-    ids = data[config.id_column][: len(rows)]
-    return [{config.id_column: id_, **row} for id_, row in zip(ids, rows, strict=True)]
+    column = task.config.id_column
+    return [{column: id_, **row} for id_, row in zip(ids[: len(rows)], rows, strict=True)]
 
 
 if __name__ == "__main__":

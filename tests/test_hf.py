@@ -422,3 +422,30 @@ def test_language_model_labels_ignore_padding_not_the_end_of_text_token():
 
     labels = pad_and_label(pad, [])["labels"]
     assert labels.tolist() == [[5, 0, 7, IGNORE], [8, 9, 0, IGNORE]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packing, processes", [("true", (2, 1, 3)), ("false", (1, 2))])
+def test_predictions_after_training_are_predict_only_s_with_the_input_ids(assets, tmp_path, packing, processes):
+    """--do_predict in a training run generates from the test split's prompts, one row per input row with its id,
+    exactly as --do_train false does from the saved model, on any process count; packed or not."""
+    prompts = tmp_path / "prompts.jsonl"
+    texts = ["def", "import os", "# a comment", "return x", "class A:", "x = 1", "for i in " * 40]
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "text": text}) + "\n" for i, text in enumerate(texts)))
+    train_file, eval_file = (Path(assets["eval"]).with_name(f"{split}.jsonl") for split in ("train", "eval"))
+    data = f"{{train: {train_file}, eval: {eval_file}, test: {prompts}}}"
+    trained, *predicting = processes
+    out = tmp_path / "trained"
+    args = language_modeling(assets, "--packing", packing, "--max_steps", "2", "--global_batch_size", "8",
+                             "--per_device_train_batch_size", "4", "--max_new_tokens", "8")  # fmt: skip
+    args[args.index("--data_files") + 1] = data
+    assert_ok(run_train(*args, "--do_predict", "true", "--output_dir", str(out), processes=trained))
+    rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert [row["id"] for row in rows] == [f"p{i}" for i in range(len(texts))]
+    for count in predicting:
+        alone = tmp_path / f"predict{count}"
+        assert_ok(run_train("--task", "language_modeling", "--do_train", "false", "--do_eval", "false",
+                            "--do_predict", "true", "--model_name_or_path", str(out / "model"), "--block_size", "64",
+                            "--max_new_tokens", "8", "--data_files", f"{{test: {prompts}}}",
+                            "--output_dir", str(alone), processes=count))  # fmt: skip
+        assert [json.loads(line) for line in (alone / "predictions.jsonl").read_text().splitlines()] == rows

@@ -305,3 +305,23 @@ def test_byte_language_model_generates_the_same_text_on_1_and_3_processes(tmp_pa
         rows[processes] = predictions(out)
     assert len(rows[1]) == len(texts) and rows[1] == rows[3]
     assert any(row["generated"].strip() for row in rows[1])  # 30 steps learn some bytes of Python
+
+
+IDS_FAIL = """
+from src.errors import UsageError
+from src.tasks.digits import Digits
+def prediction_ids(self, split):
+    raise UsageError("the ids of this data cannot be read (simulated)")
+Digits.prediction_ids = prediction_ids
+"""
+
+
+@pytest.mark.slow
+def test_the_trained_model_is_saved_before_predictions_can_fail(tmp_path):
+    """What runs after training reads more data (the test split, ids): a failure there keeps the trained model."""
+    out = tmp_path / "run"
+    result = run_with_hook(tmp_path, ["--max_steps", "4", "--eval_steps", "1000", "--do_predict", "true",
+                                      "--output_dir", str(out)], extra=IDS_FAIL)  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == "error: the ids of this data cannot be read (simulated)"
+    assert (out / "model" / "model.safetensors").is_file() and not (out / "predictions.jsonl").exists()

@@ -14,6 +14,7 @@
         def build_eval_dataset(self, split, labelled): ...   # may: one split without the train split (eval-only, test)
         def build_train_stream(self): ...   # may: the train split as an IterableDataset (--streaming)
         def predict(self, model, batch): ...        # may: per-sample tensors for predictions.jsonl
+        def prediction_ids(self, split): ...       # may: each predicted row's id (default: the --id_column)
 
 A task is built once per run, so it can keep state (a tokenizer, the number of features) on `self`.
 `ClassificationTask` (src/tasks/classification.py) fills in the loss and eval outputs for `(inputs, labels)`
@@ -119,6 +120,15 @@ class Task:
         """Per-sample tensors (first dimension = the batch) for predictions.jsonl, gathered across processes in input
         order, each sample once. ClassificationTask gives "prediction" (the class) and "probabilities"."""
         raise NotImplementedError(f"{type(self).__name__} must implement predict() for --do_predict")
+
+    def prediction_ids(self, split: str) -> list | None:
+        """The id of each row build_eval_dataset(split, labelled=False) holds, in order, for predictions.jsonl; None
+        without ids. Default: the split's `--id_column` read with src/data.py's loaders (Parquet, CSV, JSON, the
+        Hub), None where the split has no such column. A task that reads other data returns its own."""
+        from src.data import load_splits
+
+        data = load_splits(self.config, [split])[split]
+        return data[self.config.id_column] if self.config.id_column in data.column_names else None
 
     def prediction_rows(self, outputs: dict[str, torch.Tensor]) -> list[dict]:
         """The gathered predict() outputs -> one JSON-ready row per sample (e.g. a class id -> its label name)."""
