@@ -187,3 +187,27 @@ def test_cpu_steps_do_not_page_fault_their_activations_back_in():
         assert_ok(result)
         faults[name] = float(result.stdout.split()[-1])
     assert faults["template"] < 5 < 50 < min(faults["glibc"], faults["template, user's tunables"]), faults
+
+
+def test_batchnorm_conversion_per_device():
+    """Which synchronised BatchNorm a multi-process run gets: torch's on CUDA, ours on CPU processes, none alone;
+    the state dict stays BatchNorm's, so saved models load into the plain network."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from src.distributed import sync_batchnorm
+    from src.sync_batchnorm import CPUSyncBatchNorm
+
+    def converted(device: str, processes: int) -> nn.Module:
+        model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Sequential(nn.BatchNorm1d(4)))
+        model[1].running_mean.fill_(0.5)
+        return sync_batchnorm(model, SimpleNamespace(num_processes=processes, device=torch.device(device)))
+
+    plain = converted("cpu", 1)
+    assert [type(m) for m in (plain[1], plain[2][0])] == [nn.BatchNorm2d, nn.BatchNorm1d]
+    for device, kind in (("cuda", nn.SyncBatchNorm), ("cpu", CPUSyncBatchNorm)):
+        model = converted(device, 2)
+        assert type(model[1]) is type(model[2][0]) is kind
+        assert model.state_dict().keys() == plain.state_dict().keys()
+        assert torch.equal(model[1].running_mean, plain[1].running_mean)
