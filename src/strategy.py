@@ -5,8 +5,9 @@ and what Accelerate lacks to run the sharded ones on CPU processes (over gloo), 
 ACCELERATE_USE_DEEPSPEED, FSDP_*, ACCELERATE_DEEPSPEED_*). Accelerate runs both sharded strategies on accelerator
 devices only:
 - DeepSpeed: `PartialState` creates DeepSpeed's process group only with `cpu=False`, using the backend of a device
-  (none on a CPU-only machine): every process then trains alone as rank 0 of 1. With the backend named ("gloo", in
-  `partial_state_options` and `accelerator_options`) the processes form one group and DeepSpeed's own CPU accelerator does the rest.
+  (none on a CPU-only machine): every process then trains alone as rank 0 of 1. With the backend named ("gloo",
+  in `partial_state_options` and `accelerator_options`) the processes form one group and DeepSpeed's own CPU
+  accelerator does the rest.
 - FSDP: `AcceleratorState.__init__` switches to FSDP only when the distributed type is MULTI_GPU/NPU/XPU/...,
   never MULTI_CPU (accelerate/state.py: `elif self.distributed_type in [DistributedType.MULTI_GPU, ...]`), so with
   `cpu=True` the FSDP plugin is dropped and the model silently becomes DDP. `enable_fsdp_on_cpu` makes the switch
