@@ -120,7 +120,8 @@ def train(config: TrainConfig) -> dict:
         check_split_sizes(train_loader, eval_loader, global_batch, accelerator.num_processes)
         check_first_batch(train_loader, task)
     test_loader = build_test_loader(task, config, pin_memory=on_gpu)  # None when the data has no test split
-    predict_loader = build_predict_loader(task, config)  # --do_predict: the task's prediction inputs, else None
+    predict_split = predicted_split(config) if config.do_predict else None  # the test split, else the eval split
+    predict_loader = build_predict_loader(task, config, predict_split)  # the task's prediction inputs, or None
     model = task.load_model(config.model_name_or_path) if config.model_name_or_path else task.build_model()
     model = cast_inputs_for_deepspeed(sync_batchnorm(model, accelerator), accelerator)
     if config.gradient_checkpointing:
@@ -254,7 +255,7 @@ def train(config: TrainConfig) -> dict:
         model_dir = save_final_model(accelerator, task, saved_model, output_dir)  # first: what follows reads more data
         logger.info("model saved to %s; metrics in %s", model_dir, output_dir / METRICS_FILE)
         final_metrics = finish(
-            accelerator, config, task, model, metric, final_metrics, test_loader, predict_loader, step
+            accelerator, config, task, model, metric, final_metrics, test_loader, predict_loader, predict_split, step
         )
         push_to_hub(accelerator, config, model_dir)
     accelerator.end_training()
@@ -284,7 +285,8 @@ def evaluate_and_predict(config: TrainConfig) -> dict:
         eval_set = task.build_eval_dataset(config.eval_split)
         eval_loader = build_eval_loader(eval_set, config, task.collate_fn(), config.max_eval_samples)
     test_loader = build_test_loader(task, config)
-    predict_loader = build_predict_loader(task, config)
+    predict_split = predicted_split(config) if config.do_predict else None
+    predict_loader = build_predict_loader(task, config, predict_split)
     model = cast_inputs_for_deepspeed(task.load_model(config.model_name_or_path), accelerator)
     metric = load_metrics(task.metrics if config.metrics is None else config.metrics)
     unused_optimizer = build_optimizer(model, config) if prepare_needs_optimizer(accelerator) else None  # never stepped
@@ -297,7 +299,9 @@ def evaluate_and_predict(config: TrainConfig) -> dict:
         if config.do_eval:
             metrics = evaluate(task, model, eval_loader, metric, accelerator)
             log_metrics(accelerator, metrics, step=0)
-        return finish(accelerator, config, task, model, metric, metrics, test_loader, predict_loader, step=0)
+        return finish(
+            accelerator, config, task, model, metric, metrics, test_loader, predict_loader, predict_split, step=0
+        )
 
 
 def build_test_loader(task, config: TrainConfig, pin_memory: bool = False):
@@ -313,18 +317,29 @@ def predicted_split(config: TrainConfig) -> str:
     return config.test_split if has_split(config, config.test_split) else config.eval_split
 
 
-def build_predict_loader(task, config: TrainConfig):
-    """--do_predict: the task's prediction inputs of the predicted split (unlabelled: prompts for a language model,
-    not its eval blocks), one per input row, in order; else None."""
-    if not config.do_predict:
+def build_predict_loader(task, config: TrainConfig, split: str | None):
+    """The task's prediction inputs of `split` (unlabelled: prompts for a language model, not its eval blocks), one
+    per input row, in order; None without a split to predict."""
+    if split is None:
         return None
-    inputs = task.build_eval_dataset(predicted_split(config), labelled=False)
+    inputs = task.build_eval_dataset(split, labelled=False)
     return build_eval_loader(inputs, config, task.collate_fn(), config.max_predict_samples)
 
 
-def finish(accelerator, config: TrainConfig, task, model, metric, metrics: dict, test_loader, predict_loader, step):
+def finish(
+    accelerator,
+    config: TrainConfig,
+    task,
+    model,
+    metric,
+    metrics: dict,
+    test_loader,
+    predict_loader,
+    predict_split: str | None,
+    step,
+):
     """After training, or instead of it: the test split's metrics, eval_results.json and, with --do_predict,
-    predictions.jsonl. Returns all the metrics."""
+    predictions.jsonl of `predict_split`. Returns all the metrics."""
     output_dir = Path(config.output_dir)
     if test_loader is not None:
         test_metrics = evaluate(task, model, test_loader, metric, accelerator, prefix="test")
@@ -333,10 +348,11 @@ def finish(accelerator, config: TrainConfig, task, model, metric, metrics: dict,
     if metrics:
         write_atomically(accelerator, output_dir / EVAL_RESULTS_FILE, json.dumps(metrics, indent=2) + "\n")
     if predict_loader is not None:
-        split = predicted_split(config)
-        rows = with_ids(predictions(task, model, predict_loader, accelerator), task, split)
+        rows = with_ids(predictions(task, model, predict_loader, accelerator), task, predict_split)
         write_atomically(accelerator, output_dir / PREDICTIONS_FILE, "".join(json.dumps(r) + "\n" for r in rows))
-        logger.info("%d predictions of the %s split written to %s", len(rows), split, output_dir / PREDICTIONS_FILE)
+        logger.info(
+            "%d predictions of the %s split written to %s", len(rows), predict_split, output_dir / PREDICTIONS_FILE
+        )
     return metrics
 
 

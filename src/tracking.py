@@ -132,10 +132,11 @@ def setup_metrics(accelerator, model, config: TrainConfig, global_batch: int) ->
     """Logged once per start: what a reader of the curves needs to know about the run."""
     import accelerate
 
+    strategy = strategy_of(model)
     return {
         "setup/parameters": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),  # ZeRO-3: ds_numel
-        "setup/strategy": strategy_of(model),
-        **({"setup/fsdp_units": fsdp_units(model)} if strategy_of(model) == "FSDP2" else {}),
+        "setup/strategy": strategy,
+        **({"setup/fsdp_units": fsdp_units(model)} if strategy == "FSDP2" else {}),
         "setup/world_size": accelerator.num_processes,
         "setup/per_device_batch": config.per_device_train_batch_size,
         "setup/global_batch": global_batch,
