@@ -87,7 +87,8 @@ def summarize(times: list[float], batch: int, device) -> dict:
 
 
 def training_config(args, output_dir: str):
-    from src.config import TrainConfig, resolve
+    from src.cli import resolve
+    from src.config import TrainConfig
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     return resolve(TrainConfig(

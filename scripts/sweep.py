@@ -236,7 +236,8 @@ def optuna_object(module, spec, problem):
 
 def config_fields(train_args: list[str]) -> list[str]:
     """TrainConfig's fields and the options of the task the trials train (train.py's own way of finding it)."""
-    from src.config import TrainConfig, find_task_name
+    from src.cli import find_task_name
+    from src.config import TrainConfig
     from src.tasks import task_class
 
     task = task_class(find_task_name(train_args))
@@ -244,7 +245,7 @@ def config_fields(train_args: list[str]) -> list[str]:
 
 
 def check_train_args(train_args: list[str], where: str) -> None:
-    from src.config import parse_config
+    from src.cli import parse_config
 
     try:
         parse_config(train_args)

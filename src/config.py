@@ -1,18 +1,13 @@
-"""The run's configuration: what every run has (TrainConfig) plus the chosen task's own options, one namespace.
+"""The run's configuration: the TrainConfig dataclass, what every run has; the chosen task adds its own options.
 
-    python train.py --config configs/default.yaml --learning_rate 3e-4 --norm batch   # norm: a digits option
-
-Names follow Hugging Face `TrainingArguments` where one exists. Parsing, type checking and the YAML file are
-jsonargparse's job; this module declares the fields, checks that their values make sense together, and adds the
-task's `Options` dataclass (src/tasks/) to the same parser: its fields are flags and YAML keys like any other,
-shown by `python train.py --task X --help` and saved in the run's config.yaml.
+Names follow Hugging Face `TrainingArguments` where one exists. This module declares the fields and checks that
+their values make sense together; src/cli.py reads them from the command line and YAML files.
 """
 
 import ast
 import dataclasses
 import difflib
 import inspect
-import re
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -206,135 +201,6 @@ def resolve_global_batch(config: TrainConfig, num_processes: int) -> int:
     return config.global_batch_size // per_step
 
 
-def parse_config(argv: list[str] | None) -> TrainConfig:
-    """Defaults <- `--config file.yaml` <- `--field value` flags, type-checked; bad input raises UsageError.
-
-    The task is found first (`--task`, else the last --config file that names one, else digits) because its
-    options are part of the same command line.
-    """
-    import sys
-
-    from src.tasks import task_class
-
-    argv = sys.argv[1:] if argv is None else argv
-    name = find_task_name(argv)
-    cls = task_class(name)
-    parser = build_parser(name, cls)
-    try:
-        namespace = parser.parse_args(argv)
-    except Exception as err:  # jsonargparse reports every parse problem as some exception with a message
-        hint = suggestion(err, parser, cls, name)
-        raise UsageError(f"{one_line(err)}{hint}; see `python train.py --task {name} --help`") from err
-    values = namespace.as_dict()
-    values.pop("config", None)
-    option_names = {f.name for f in dataclasses.fields(cls.Options)}
-    task_args = {k: values.pop(k) for k in option_names}
-    return resolve(TrainConfig(**values, task_args=task_args))
-
-
-def build_parser(name: str, task_cls):
-    from jsonargparse import ActionConfigFile, ArgumentParser
-
-    clash = {f.name for f in dataclasses.fields(TrainConfig)} & {f.name for f in dataclasses.fields(task_cls.Options)}
-    if clash:
-        raise UsageError(f"{task_cls.__name__}.Options fields {', '.join(sorted(clash))} clash with TrainConfig "
-                         "fields of the same name; rename them in the task")  # fmt: skip
-    parser = ArgumentParser(
-        description="Train a model with Hugging Face Accelerate.", exit_on_error=False, allow_abbrev=False
-    )
-    parser.add_argument("--config", action=ActionConfigFile, help="YAML file with any of the fields below")
-    parser.add_class_arguments(TrainConfig, as_group=False, skip={"task_args"})
-    parser.add_class_arguments(task_cls.Options, as_group=True)
-    helps = {**field_help(TrainConfig), **field_help(task_cls.Options)}
-    for action in parser._actions:  # jsonargparse takes help from docstrings; ours are the fields' comments
-        if action.dest in helps:
-            action.help = helps[action.dest]
-    source = Path(inspect.getsourcefile(task_cls) or "?").resolve()
-    source = source.relative_to(Path.cwd()) if source.is_relative_to(Path.cwd()) else source
-    for group in parser._action_groups:
-        if group.title and task_cls.Options.__name__ in group.title:
-            group.title = f"options of --task {name} ({source}: {task_cls.__qualname__}.Options)"
-            group.description = None
-    return parser
-
-
-def find_task_name(argv: list[str]) -> str:
-    """`--task X` / `--task=X` on the command line, else the last `--config` file naming a task, else digits."""
-    name = TrainConfig.task
-    for i, arg in enumerate(argv):
-        value = argv[i + 1] if i + 1 < len(argv) else None
-        if arg.startswith("--config="):
-            arg, value = "--config", arg.split("=", 1)[1]
-        if arg == "--config" and value and Path(value).is_file():
-            try:
-                loaded = yaml.safe_load(Path(value).read_text())
-            except yaml.YAMLError:
-                continue  # the parser reports it
-            if isinstance(loaded, dict) and isinstance(loaded.get("task"), str):
-                name = loaded["task"]
-    for i, arg in enumerate(argv):
-        if arg == "--task" and i + 1 < len(argv):
-            name = argv[i + 1]
-        elif arg.startswith("--task="):
-            name = arg.split("=", 1)[1]
-    return name
-
-
-def suggestion(err: Exception, parser, task_cls, name: str) -> str:
-    """'; did you mean --x?' for an unknown key, or the task whose option it is."""
-    from src.tasks import BUILT_IN, task_class
-
-    known = {a.dest for a in parser._actions}
-    words = re.findall(r"--(\w+)|'(\w+)'", str(err))  # flags and quoted keys, in the message's order
-    unknown = [w for pair in words for w in pair if w and w not in known]
-    for word in unknown:
-        for other_name in BUILT_IN:
-            other = task_class(other_name)
-            if other is not task_cls and word in {f.name for f in dataclasses.fields(other.Options)}:
-                return f"; --{word} is an option of --task {other_name}, not of --task {name}"
-        close = difflib.get_close_matches(word, known, n=1)
-        if close:
-            return f"; did you mean --{close[0]}?"
-    return ""
-
-
-def parse_task_options(task_cls, values: dict):
-    """A task's options from a dict (Python callers, or the parsed command line), checked by the same parser."""
-    from jsonargparse import ArgumentParser
-
-    parser = ArgumentParser(exit_on_error=False)
-    parser.add_class_arguments(task_cls.Options, as_group=False)
-    keys = [f.name for f in dataclasses.fields(task_cls.Options)]
-    try:
-        parsed = parser.parse_object(values or {}).as_dict()
-    except Exception as err:
-        unknown = [k for k in (values or {}) if k not in keys]
-        close = difflib.get_close_matches(str(unknown[0]), keys, n=1) if unknown else []
-        hint = f"; did you mean {close[0]}?" if close else ""
-        raise UsageError(
-            f"options of --task {task_cls.__name__}: {one_line(err)}{hint} (they are {', '.join(keys) or 'none'})"
-        ) from err
-    return task_cls.Options(**parsed)
-
-
-def resolve(config: TrainConfig) -> TrainConfig:
-    """Fill in what follows from the task: its options' defaults, its default data files, output_dir runs/<task>."""
-    from src.tasks import task_class, task_name
-
-    cls = task_class(config.task)
-    options = dataclasses.asdict(parse_task_options(cls, config.task_args))
-    data_files = config.data_files
-    if not config.dataset_name and not data_files:
-        data_files = cls.default_data_files
-        if not data_files:
-            raise UsageError(f"no data for --task {config.task}: set --data_files (local files) or --dataset_name")
-    output_dir = config.output_dir or f"runs/{task_name(config.task)}"
-    model = config.model_name_or_path or (None if config.do_train else f"{output_dir}/model")  # the run's own model
-    return dataclasses.replace(
-        config, task_args=options, data_files=data_files, output_dir=output_dir, model_name_or_path=model
-    )
-
-
 def field_help(cls) -> dict[str, str]:
     """name -> the comment at the end of the field's line in the dataclass's source (the --help text)."""
     try:
@@ -348,10 +214,6 @@ def field_help(cls) -> dict[str, str]:
         for node in class_node.body
         if isinstance(node, ast.AnnAssign) and "  # " in lines[node.lineno - 1]
     }
-
-
-def one_line(err: Exception) -> str:
-    return " ".join(str(err).split())
 
 
 def save_config(config: TrainConfig, path: Path) -> None:

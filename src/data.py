@@ -7,18 +7,16 @@ Training data held in tensors skips the DataLoader's per-sample fetch: `train_da
 prepared loader's own indices (`IndexBatches`), so the batches, their order and the sharding stay the loader's.
 """
 
-import os
 from collections.abc import Iterable, Iterator
-from itertools import chain
+from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
-from typing import Protocol, runtime_checkable
 
-import numpy as np
-import torch
-from torch.utils.data import DataLoader, Dataset, SequentialSampler, Subset, TensorDataset, default_collate
+from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
 from src.config import TrainConfig
 from src.errors import TaskFailed, UsageError, describe
+from src.hub import check_hub_repo
 
 FILE_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".jsonl": "json"}
 
@@ -97,38 +95,6 @@ def load_hub_dataset(config: TrainConfig):
     return datasets.load_dataset(name, config.dataset_config_name)
 
 
-def check_hub_repo(name: str, kind: str, flag: str, instead: str) -> None:
-    """A Hub dataset or model that isn't cached: one request with a 10 s timeout, not ~23 s of retries.
-    `kind`: "dataset" or "model"; `instead`: what to do offline."""
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import RepositoryNotFoundError
-
-    if is_cached(name, kind):
-        return
-    if hub_offline():
-        raise UsageError(f"{kind} {name!r} is not in the local cache and HF_HUB_OFFLINE is set; {instead}")
-    try:
-        getattr(HfApi(), f"{kind}_info")(name, timeout=10)
-    except RepositoryNotFoundError as err:
-        raise UsageError(f"no {kind} {name!r} on the Hugging Face Hub; check {flag}") from err
-    except Exception as err:  # DNS, proxy, timeout, HTTP: all mean "can't use the Hub from here"
-        raise UsageError(
-            f"cannot reach the Hugging Face Hub for {kind} {name!r} ({type(err).__name__}); "
-            f"{instead}, or a cached copy with HF_HUB_OFFLINE=1"
-        ) from err
-
-
-def hub_offline() -> bool:
-    """HF_HUB_OFFLINE as set now (huggingface_hub's own constant is read once, at its import)."""
-    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "")
-
-
-def is_cached(name: str, kind: str = "dataset") -> bool:
-    from huggingface_hub.constants import HF_HUB_CACHE
-
-    return (Path(HF_HUB_CACHE) / f"{kind}s--{name.replace('/', '--')}").exists()
-
-
 def check_columns(split, wanted: list[str], flags: str) -> None:
     """A UsageError naming the absent columns, the ones the data has and the flags that choose them."""
     missing = set(wanted) - set(split.column_names)
@@ -153,6 +119,26 @@ def build_dataloaders(train_set: Dataset, eval_set: Dataset, config: TrainConfig
         pin_memory=pin_memory,
     )
     return train_loader, build_eval_loader(eval_set, config, collate_fn, config.max_eval_samples, pin_memory)
+
+
+def build_loaders(task, config: TrainConfig, accelerator, training: bool, pin_memory: bool = False):
+    """(train loader, eval loader) before `prepare`: the train loader when training (over the task's stream with
+    --streaming), the eval loader when training or evaluating. Data in memory is checked first: at least one global
+    batch, fewer processes than eval samples, and a first batch that collates."""
+    if training and not config.streaming:
+        train_set, eval_set = task.build_datasets()
+        collate_fn = task.collate_fn()  # after the datasets: e.g. a padding collator needs the tokenizer they loaded
+        train_loader, eval_loader = build_dataloaders(train_set, eval_set, config, collate_fn, pin_memory)
+        global_batch = config.per_device_train_batch_size * accelerator.num_processes
+        global_batch *= accelerator.gradient_accumulation_steps
+        check_split_sizes(train_loader, eval_loader, global_batch, accelerator.num_processes)
+        check_first_batch(train_loader, task)
+        return train_loader, eval_loader
+    train_loader = build_stream_loader(task, config, pin_memory) if training else None
+    if not (training or config.do_eval):
+        return train_loader, None
+    eval_set = task.build_eval_dataset(config.eval_split)
+    return train_loader, build_eval_loader(eval_set, config, task.collate_fn(), config.max_eval_samples, pin_memory)
 
 
 def build_eval_loader(dataset: Dataset, config: TrainConfig, collate_fn=None, max_samples=None, pin_memory=False):
@@ -197,60 +183,66 @@ def check_split_sizes(train_loader: DataLoader, eval_loader: DataLoader, global_
         )
 
 
-# --- training batches: by index for data in tensors, else from the DataLoader ---
+def build_test_loader(task, config: TrainConfig, pin_memory: bool = False):
+    """The labelled test split, evaluated at the end, when the data has one and --do_eval is on; else None."""
+    if not (config.do_eval and has_split(config, config.test_split)):
+        return None
+    dataset = task.build_eval_dataset(config.test_split)
+    return build_eval_loader(dataset, config, task.collate_fn(), config.max_predict_samples, pin_memory)
 
 
-@runtime_checkable
-class Gatherable(Protocol):
-    """A dataset whose batch is one gather by a tensor of indices: what `default_collate` makes of the samples at
-    those indices, without fetching them one by one. `TensorDataset`s qualify as they are (see `gatherable`)."""
-
-    def gather(self, indices: torch.Tensor): ...
-
-    def to(self, device: torch.device) -> "Gatherable": ...  # the same rows, held on `device`
-
-    def nbytes(self) -> int: ...  # the memory its rows take
+def predicted_split(config: TrainConfig) -> str | None:
+    """What --do_predict predicts: the test split, or the eval split where the data has no test split."""
+    if not config.do_predict:
+        return None
+    return config.test_split if has_split(config, config.test_split) else config.eval_split
 
 
-class TensorRows(TensorDataset):
-    """A TensorDataset that gathers a batch: each tensor's rows at `indices`, as default_collate stacks them."""
-
-    def gather(self, indices: torch.Tensor) -> list[torch.Tensor]:
-        return [tensor.index_select(0, indices) for tensor in self.tensors]  # index_select: half of t[indices]
-
-    def to(self, device: torch.device) -> "TensorRows":
-        return TensorRows(*(tensor.to(device) for tensor in self.tensors))
-
-    def nbytes(self) -> int:
-        return sum(tensor.nbytes for tensor in self.tensors)
+def build_predict_loader(task, config: TrainConfig, split: str | None):
+    """The task's prediction inputs of `split` (unlabelled: prompts for a language model, not its eval blocks), one
+    per input row, in order; None without a split to predict."""
+    if split is None:
+        return None
+    inputs = task.build_eval_dataset(split, labelled=False)
+    return build_eval_loader(inputs, config, task.collate_fn(), config.max_predict_samples)
 
 
-class SubsetRows:
-    """`--max_train_samples` on a gatherable dataset: its first rows, gathered without a copy."""
-
-    def __init__(self, dataset: Gatherable, indices: torch.Tensor):
-        self.dataset, self.indices = dataset, indices
-
-    def gather(self, indices: torch.Tensor):
-        return self.dataset.gather(self.indices.index_select(0, indices))
-
-    def to(self, device: torch.device) -> "SubsetRows":
-        return SubsetRows(self.dataset.to(device), self.indices.to(device))
-
-    def nbytes(self) -> int:
-        return self.dataset.nbytes()
+# --- training batches, in whole accumulation windows ---
 
 
-def gatherable(dataset: Dataset) -> Gatherable | None:
-    """The dataset as one that gathers batches, or None when its samples must be fetched one by one."""
-    if isinstance(dataset, Subset):
-        inner = gatherable(dataset.dataset)
-        return None if inner is None else SubsetRows(inner, torch.as_tensor(dataset.indices))
-    if isinstance(dataset, Gatherable):
-        return dataset
-    if type(dataset) is TensorDataset:  # a subclass may override __getitem__
-        return TensorRows(*dataset.tensors)
-    return None
+@dataclass
+class DataPosition:
+    """Where training is in its data: the epoch, and the optimiser steps already taken in it. For data of known
+    length it follows from the step; a stream's is saved in every checkpoint (`register_for_checkpointing`)."""
+
+    epoch: int = 0
+    steps: int = 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.steps = state["epoch"], state["steps"]
+
+
+def train_windows(source, accumulation: int, position: DataPosition) -> Iterator[list]:
+    """The micro-batches of each optimiser step, a whole accumulation window at a time, epoch after epoch, from
+    `position` on (a resumed epoch skips the batches already trained on). An epoch's trailing partial window is
+    skipped, so every step sees one global batch. Runs until the caller stops; `position` moves with it.
+
+    `source.epoch(epoch, skip)`: an epoch's batches (`LoaderBatches`, or src/fast_path.py's `IndexBatches`); the
+    seedable sampler (or a stream's shuffle) makes them a function of the seed and the epoch.
+    """
+    while True:
+        batches = iter(source.epoch(position.epoch, skip=position.steps * accumulation))
+        while len(window := list(islice(batches, accumulation))) == accumulation:
+            position.steps += 1  # counted before training on it: a checkpoint follows the step
+            yield window
+        if position.steps == 0:
+            raise UsageError(
+                "the train data holds fewer samples than one global batch; use more data or a smaller batch"
+            )
+        position.epoch, position.steps = position.epoch + 1, 0
 
 
 class LoaderBatches:
@@ -264,93 +256,15 @@ class LoaderBatches:
         return self.accelerator.skip_first_batches(self.loader, skip) if skip else self.loader
 
 
-class EpochOrder:
-    """This process's sample indices for an epoch, in one tensor: those the prepared loader's batch sampler yields.
-
-    Drawn from the batch sampler they cost ~0.1 us a sample in Python generators: on the benchmark's tiny model
-    the template ran at 0.95x the raw index loop drawing them, 1.01x with them precomputed (medians of 5 rounds).
-    Computed, an epoch costs one randperm and one gather: a batch sampler, Accelerate's sharding and padding
-    included, arranges the *positions* of its sampler's sequence the same way every epoch, so the positions are read
-    once from epoch 0 and an epoch's indices are its sequence at those positions. The sequence is computed for the
-    samplers whose order is known (`known_sequence`) and checked against the batch sampler on a second epoch at the
-    start; any other sampler, or a failed check, is drawn from as before.
-    """
-
-    def __init__(self, loader: DataLoader):
-        self.loader = loader
-        self.sampler = getattr(loader.batch_sampler, "sampler", None) or getattr(
-            getattr(loader.batch_sampler, "batch_sampler", None), "sampler", None
-        )  # a BatchSampler's, or the one inside Accelerate's BatchSamplerShard
-        first = self.drawn(0)
-        self.sizes = [len(indices) for indices in first]  # the same every epoch
-        self.positions = None
-        sequence = known_sequence(self.sampler, 0)
-        if sequence is not None:
-            self.positions = torch.argsort(sequence)[flatten(first)]  # argsort of a permutation: its inverse
-            if not torch.equal(self.indices(1), flatten(self.drawn(1))):
-                self.positions = None
-
-    def drawn(self, epoch: int) -> list[list[int]]:
-        self.loader.set_epoch(epoch)  # the seedable sampler's permutation: a function of the seed and the epoch
-        return list(self.loader.batch_sampler)
-
-    def indices(self, epoch: int) -> torch.Tensor:
-        if self.positions is None:
-            return flatten(self.drawn(epoch))
-        self.loader.set_epoch(epoch)  # as drawing would: the loader's state is the same either way
-        return known_sequence(self.sampler, epoch)[self.positions]
-
-
-def known_sequence(sampler, epoch: int) -> torch.Tensor | None:
-    """The sampler's whole sequence for `epoch` as its own code computes it, or None when not known here:
-    Accelerate's SeedableRandomSampler (one randperm, its generator seeded with its seed + the epoch) and the
-    SequentialSampler (no shuffling)."""
-    from accelerate.data_loader import SeedableRandomSampler
-
-    if type(sampler) is SequentialSampler:
-        return torch.arange(len(sampler.data_source))
-    if type(sampler) is SeedableRandomSampler and not sampler.replacement:
-        size = len(sampler.data_source)
-        if sampler.num_samples == size and (sampler.generator is None or sampler.generator.device.type == "cpu"):
-            generator = torch.Generator().manual_seed(sampler.initial_seed + epoch)
-            return torch.randperm(size, generator=generator)
-    return None
-
-
-def flatten(batches: list[list[int]]) -> torch.Tensor:
-    return torch.from_numpy(np.fromiter(chain.from_iterable(batches), dtype=np.int64))  # 1/8 of torch.tensor's time
-
-
-class IndexBatches:
-    """The same batches as `LoaderBatches`, each one gather by the indices of the prepared loader's batch sampler
-    (the seedable sampler, sharded across processes by Accelerate: the same order, shards and padding; `EpochOrder`).
-
-    A DataLoader batch of 64 small samples costs ~0.5 ms of per-sample calls and stacking on a CPU, about what a
-    tiny model's whole step costs; a gather costs ~10 us. On a GPU, rows that take at most a quarter of its free
-    memory are moved there once. (The DataLoader also draws a worker seed from torch's global RNG for each epoch's
-    iterator; this path does not, so a model with dropout draws other masks here than through the DataLoader.)
-    """
-
-    def __init__(self, loader: DataLoader, dataset: Gatherable, device: torch.device):
-        self.order, self.device = EpochOrder(loader), device
-        self.on_device = device.type == "cpu" or dataset.nbytes() <= torch.cuda.mem_get_info(device)[0] / 4
-        self.dataset = dataset.to(device) if self.on_device else dataset
-
-    def epoch(self, epoch: int, skip: int = 0) -> Iterator:
-        sizes = self.order.sizes
-        flat = self.order.indices(epoch)[sum(sizes[:skip]) :]  # a resumed epoch: from batch `skip` on
-        flat = flat.to(self.device) if self.on_device else flat
-        batches = map(self.dataset.gather, flat.split(sizes[skip:]))
-        if self.on_device:
-            return batches
-        from accelerate.utils import send_to_device
-
-        return (send_to_device(batch, self.device, non_blocking=True) for batch in batches)
-
-
-def train_data(accelerator, loader: DataLoader, config: TrainConfig, collate_fn) -> IndexBatches | LoaderBatches:
-    """Batches by index when the data is in tensors and default_collate batches it; else the DataLoader's."""
-    dataset = gatherable(loader.dataset) if config.dataloader_index_batches and collate_fn is None else None
-    if dataset is None:
-        return LoaderBatches(accelerator, loader)
-    return IndexBatches(loader, dataset, accelerator.device)
+def build_stream_loader(task, config: TrainConfig, pin_memory: bool = False) -> DataLoader:
+    """The train loader over the task's stream; full batches only (a stream has no length to pad to)."""
+    if config.max_train_samples:
+        raise UsageError("--max_train_samples does not apply with --streaming; --max_steps sets how much is read")
+    return DataLoader(
+        task.build_train_stream(),
+        batch_size=config.per_device_train_batch_size,
+        drop_last=True,
+        num_workers=config.dataloader_num_workers,
+        collate_fn=task.collate_fn(),
+        pin_memory=pin_memory,
+    )

@@ -10,9 +10,7 @@ The traps this module closes (each measured, see README "How it works"):
 - BatchNorm statistics are per process unless synchronised: nn.SyncBatchNorm on CUDA, CPUSyncBatchNorm on CPU.
 """
 
-import contextlib
 import logging
-import math
 import os
 
 import torch
@@ -20,6 +18,7 @@ from torch import nn
 
 from src.config import TrainConfig, resolve_global_batch
 from src.errors import UsageError
+from src.fast_path import keep_freed_host_memory
 from src.strategy import accelerator_options, check_launch, check_strategy, enable_fsdp_on_cpu, partial_state_options
 from src.sync_batchnorm import convert_cpu_sync_batchnorm
 
@@ -78,24 +77,6 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
     return accelerator
 
 
-def keep_freed_host_memory() -> None:
-    """On the CPU, stop glibc's malloc from giving each step's freed activations back to the OS, only to page-fault
-    them in again at the next step: 0-1,240 minor faults per step of the digits CNN here (measured), a count that
-    differs from process to process and moved the same loop's speed by 20%. Fixed thresholds stop it: blocks under
-    32 MB come from the heap (glibc's default starts at 128 KB and moves), and up to 1 GB free at its top is kept.
-    Peak memory is unchanged; memory freed after the peak may stay with the process. glibc only, and not when
-    GLIBC_TUNABLES sets malloc options (yours win)."""
-    import ctypes
-
-    libc = os.confstr("CS_GNU_LIBC_VERSION") if "CS_GNU_LIBC_VERSION" in getattr(os, "confstr_names", {}) else ""
-    if not libc.startswith("glibc") or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
-        return
-    mallopt = ctypes.CDLL(None).mallopt  # the C library this process runs on
-    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
-    mallopt(m_mmap_threshold, 32 << 20)  # glibc's maximum
-    mallopt(m_trim_threshold, 1 << 30)
-
-
 def summed_loss_scale(accelerator, task, window: list) -> torch.Tensor:
     """For a task whose loss() is a sum: processes x accumulation / the terms of the whole global batch, counted
     over the accumulation window's micro-batches and all-reduced (an exact integer sum first). Scaled by it, the
@@ -140,59 +121,3 @@ def sync_batchnorm(model: nn.Module, accelerator) -> nn.Module:
         accelerator.num_processes,
     )
     return model
-
-
-class DirectOptimizer:
-    """The prepared optimizer as the loop uses it: accumulate, backward, clip, step, zero_grad. Plain torch calls
-    where Accelerate's wrappers would be no-ops; Accelerate's own calls where they do real work.
-
-    Measured with accelerate 1.15 on CPU (tiny model, scripts/benchmark.py): its per-step wrappers add ~190 us,
-    as much as the model itself costs: `optimizer.step()` probes the file system for an optional package twice
-    per call, `zero_grad()` inspects a signature each time, `backward()` divides the loss by 1. Under DeepSpeed,
-    FSDP, XLA or an fp16 grad scaler the wrappers do real work, and then they are what gets called.
-    """
-
-    PLAIN = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU")
-
-    def __init__(self, accelerator, model: nn.Module, prepared_optimizer):
-        self.accelerator = accelerator
-        self.model = model
-        self.plain = (
-            accelerator.distributed_type.value in self.PLAIN
-            and accelerator.scaler is None
-            and not accelerator.has_lomo_optimizer
-        )
-        # what step() calls; also what the LR scheduler drives (Accelerate's wrapper shares its param_groups)
-        self.optimizer = prepared_optimizer.optimizer if self.plain else prepared_optimizer
-        self.accumulation = accelerator.gradient_accumulation_steps  # fixed for the run; read once, not per step
-
-    def accumulate(self, model: nn.Module):
-        """`accelerator.accumulate(model)`; without accumulation every batch is a step and the context would do
-        nothing but cost ~19 us per step (measured), so it is skipped then."""
-        if self.accumulation > 1:
-            return self.accelerator.accumulate(model)
-        return contextlib.nullcontext()
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """Inside `accumulate`: the loss is scaled for accumulation, as Accelerate does."""
-        if not self.plain:
-            return self.accelerator.backward(loss)
-        (loss / self.accumulation if self.accumulation > 1 else loss).backward()
-
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor | None:
-        """The total gradient norm (all-reduced gradients: the same on every process), clipped to `max_norm` if it
-        is > 0 (0: measured only, not scaling every gradient by 1)."""
-        if not self.plain:
-            norm = self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm or math.inf)
-            return None if norm is None else torch.as_tensor(norm)  # DeepSpeed returns a float or None
-        if not max_norm:
-            return torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
-        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-
-    def step(self) -> None:
-        """Call once per optimiser step (when `accelerator.sync_gradients`), not per micro-batch."""
-        self.optimizer.step()
-        self.zero_grad()
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)

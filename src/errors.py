@@ -94,6 +94,11 @@ def command_line(fn):
     return wrapper
 
 
+def one_line(err: Exception) -> str:
+    """An error's message on one line."""
+    return " ".join(str(err).split())
+
+
 def describe(value, depth: int = 0) -> str:
     """A batch's structure in one line: `(tensor int64 [32, 128], tensor int64 [32])`, dict keys, list lengths."""
     if hasattr(value, "shape") and hasattr(value, "dtype"):

@@ -1,4 +1,5 @@
-"""Meters: what the loop measures. The loss window, the step timer, throughput and MFU, memory, the profiler.
+"""Meters: what the loop measures. The loss window, the step timer, throughput and MFU, memory, the profiler;
+`TrainMeters` holds them for the loop and makes a log step's metrics.
 
 Nothing here prints or writes a log: the values go to `log_metrics` (src/tracking.py), the main process's voice.
 """
@@ -13,6 +14,7 @@ import torch
 
 from src.config import TrainConfig
 from src.errors import TrainingDiverged
+from src.strategy import ShardMemory
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +125,42 @@ def throughput_metrics(task, accelerator):
         return {"train/tokens_per_s": tokens_per_s, "train/mfu": mfu}
 
     return metrics
+
+
+class TrainMeters:
+    """What the training loop records between two log steps, and the `train/` metrics of a log step: the loss
+    window, seconds per step, throughput, memory, skipped steps, and once per start each process's bytes."""
+
+    def __init__(self, accelerator, task, model, optimizer: torch.optim.Optimizer, config: TrainConfig, state):
+        self.accelerator, self.global_batch = accelerator, state.global_batch
+        self.losses = LossWindow(accelerator, accelerator.gradient_accumulation_steps, config.skip_nonfinite_batches)
+        self.losses.load(state.loss_window, state.window_first_step)  # a resumed run's partial window
+        self.timer = StepTimer(state.step)
+        self.throughput = throughput_metrics(task, accelerator)  # tokens/s and MFU for tasks that count tokens
+        self.shard_memory = ShardMemory(accelerator, model, optimizer)
+        self.skipped_steps = 0 if config.skip_nonfinite_batches else None  # --skip_nonfinite_batches only
+
+    def log_step(self, step: int, lr: float, grad_norm: torch.Tensor | None, epoch: float) -> dict:
+        """The metrics of log step `step`; the window and the timer start again."""
+        train_loss = self.losses.mean(next_step=step + 1)  # waits for the device: time after it
+        step_time = self.timer.seconds_per_step(step)
+        self.timer.restart(step)
+        return {
+            "train/loss": train_loss,
+            "train/lr": lr,
+            **({"train/grad_norm": grad_norm.item()} if grad_norm is not None else {}),
+            "train/samples_per_s": self.global_batch / step_time,
+            **self.throughput(self.global_batch / step_time),
+            "train/step_time_s": step_time,
+            "train/peak_memory_gb": peak_memory_gb(self.accelerator.device),
+            "epoch": epoch,
+            **({"train/skipped_steps": self.skipped_steps} if self.skipped_steps is not None else {}),
+            **self.shard_memory.metrics(),
+        }
+
+    def save_to(self, state) -> None:
+        """The partial loss window into the trainer state, for a checkpoint (a NaN in it stops the run here)."""
+        state.loss_window, state.window_first_step = self.losses.state(), self.losses.first_step
 
 
 class NoProfiler:

@@ -40,35 +40,3 @@ def build_scheduler(optimizer, config: TrainConfig, total_steps: int) -> torch.o
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, total_steps, warmup, config.lr_scheduler_type)
     )
-
-
-class EarlyStopping:
-    """Stop after `early_stopping_patience` evaluations without improvement of `early_stopping_metric`.
-
-    Every process evaluates on the same gathered predictions, so every process reaches the same decision at the
-    same step without another collective. Its counters live in the trainer state, so a resumed run continues them.
-    """
-
-    def __init__(self, config: TrainConfig, state):
-        self.patience = config.early_stopping_patience
-        self.metric = config.early_stopping_metric
-        self.sign = 1.0 if config.early_stopping_mode == "min" else -1.0
-        self.state = state  # TrainerState: best_metric, evals_without_improvement
-
-    def should_stop(self, metrics: dict, step: int) -> bool:
-        if not self.patience:
-            return False
-        if self.metric not in metrics:
-            from src.errors import UsageError
-
-            raise UsageError(f"--early_stopping_metric {self.metric} is not logged; use one of {', '.join(metrics)}")
-        value = metrics[self.metric]
-        if self.state.best_metric is None or self.sign * value < self.sign * self.state.best_metric:
-            self.state.best_metric, self.state.evals_without_improvement = value, 0
-            return False
-        self.state.evals_without_improvement += 1
-        if self.state.evals_without_improvement < self.patience:
-            return False
-        logger.info("early stopping at step %d: %s has not improved on %.4g for %d evaluations", step, self.metric,
-                    self.state.best_metric, self.patience)  # fmt: skip
-        return True

@@ -176,7 +176,7 @@ class ShardMemory:
     objects once per start, after the first optimiser step (a torch optimiser's state exists only from then).
     Logged as the largest over the processes: what has to fit on every device."""
 
-    def __init__(self, accelerator, model: nn.Module, optimizer):
+    def __init__(self, accelerator, model: nn.Module, optimizer: torch.optim.Optimizer):
         self.accelerator, self.model, self.optimizer, self.logged = accelerator, model, optimizer, False
 
     def metrics(self) -> dict:
@@ -222,10 +222,7 @@ def local_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def optimizer_state_tensors(optimizer) -> list[torch.Tensor]:
-    """The torch optimizer's state tensors (exp_avg, exp_avg_sq, ...): unwrapped from Accelerate's wrapper and from
-    DeepSpeed's ZeRO optimizer, whose inner torch optimizer holds this process's partition."""
-    inner = optimizer
-    while not isinstance(inner, torch.optim.Optimizer) or hasattr(inner, "optimizer"):
-        inner = inner.optimizer  # AcceleratedOptimizer -> (ZeRO optimizer ->) torch optimizer
-    return [value for state in inner.state.values() for value in state.values() if isinstance(value, torch.Tensor)]
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The state tensors (exp_avg, exp_avg_sq, ...) of the torch optimizer handed to `prepare`: DeepSpeed's ZeRO
+    optimizer and FSDP2 keep this process's partition in it."""
+    return [value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)]

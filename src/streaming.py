@@ -12,20 +12,18 @@ files a glob names, or a Hub dataset), shuffled with a buffer and the seed; the 
   price: each process reads and tokenises all of it; `split_dataset_by_node` by shards would read 1/N each, but
   then the global batches, and so the losses, would depend on the process count).
 - Across data-loader workers: `datasets` gives each worker its own files (so use more shards than workers).
-- Exact resume: the stream is a function of the seed and the epoch, so its position is (epoch, batches read in
-  that epoch). It is saved in every checkpoint (`register_for_checkpointing`) and a resumed run reads and drops
-  the batches already trained on: no shuffle buffer to save, at the cost of re-reading the epoch up to there.
+- Exact resume: the stream is a function of the seed and the epoch, so its position is (epoch, steps taken in
+  that epoch): src/data.py's `DataPosition`, saved in every checkpoint. A resumed run reads and drops the batches
+  already trained on: no shuffle buffer to save, at the cost of re-reading the epoch up to there. A step is the
+  same global batch on any process count, so the position is too.
 """
 
 import glob
-from dataclasses import dataclass
-from itertools import islice
 from pathlib import Path
 
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import IterableDataset
 
 from src.config import TrainConfig
-from src.distributed import summed_loss_scale
 from src.errors import UsageError
 
 
@@ -33,7 +31,8 @@ def load_stream(config: TrainConfig, split: str):
     """One split as a `datasets` IterableDataset: local files (glob patterns allowed) or a Hub dataset."""
     import datasets
 
-    from src.data import FILE_BUILDERS, check_hub_repo, missing_split
+    from src.data import FILE_BUILDERS, missing_split
+    from src.hub import check_hub_repo
 
     datasets.disable_progress_bars()
     if config.dataset_name:
@@ -63,52 +62,3 @@ class SampleStream(IterableDataset):
 
     def __iter__(self):
         return map(self.to_sample, self.stream)  # datasets reads only this worker's shards in a worker process
-
-
-def build_stream_loader(task, config: TrainConfig, pin_memory: bool = False) -> DataLoader:
-    """The train loader over the task's stream; full batches only (a stream has no length to pad to)."""
-    if config.max_train_samples:
-        raise UsageError("--max_train_samples does not apply with --streaming; --max_steps sets how much is read")
-    return DataLoader(
-        task.build_train_stream(),
-        batch_size=config.per_device_train_batch_size,
-        drop_last=True,
-        num_workers=config.dataloader_num_workers,
-        collate_fn=task.collate_fn(),
-        pin_memory=pin_memory,
-    )
-
-
-@dataclass
-class StreamPosition:
-    """Where the stream is: its epoch and the (per-process) batches of that epoch already trained on.
-    Registered with `accelerator.register_for_checkpointing`, so every checkpoint holds it."""
-
-    epoch: int = 0
-    batches: int = 0
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batches": self.batches}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.batches = state["epoch"], state["batches"]
-
-
-def stream_batches(accelerator, task, loader, position: StreamPosition):
-    """(micro-batch, scale) in whole accumulation windows, epoch after epoch, from `position` on; like train.py's
-    train_batches, which it mirrors (an epoch's trailing partial window is skipped). Runs until the caller stops."""
-    accumulation = accelerator.gradient_accumulation_steps
-    while True:
-        loader.set_epoch(position.epoch)
-        batches = iter(accelerator.skip_first_batches(loader, position.batches) if position.batches else loader)
-        windows = 0
-        while len(window := list(islice(batches, accumulation))) == accumulation:
-            position.batches += accumulation  # counted before training on them: a checkpoint follows the window
-            windows += 1
-            scale = None if task.loss_reduction == "mean" else summed_loss_scale(accelerator, task, window)
-            yield from ((batch, scale) for batch in window)
-        if windows == 0 and position.batches == 0:
-            raise UsageError(
-                "the train stream holds fewer samples than one global batch; use more data or a smaller batch"
-            )
-        position.epoch, position.batches = position.epoch + 1, 0

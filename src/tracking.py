@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from accelerate.tracking import GeneralTracker
 
-from src.checkpoint import DVCLIVE_DIR, METRICS_FILE, MLFLOW_STORE
 from src.config import TrainConfig
+from src.run_dir import DVCLIVE_DIR, METRICS_FILE, MLFLOW_STORE
 from src.strategy import fsdp_units, strategy_of
 
 logger = logging.getLogger(__name__)

@@ -3,7 +3,8 @@ import dataclasses
 import pytest
 import yaml
 
-from src.config import TrainConfig, parse_config, resolve, resolve_global_batch
+from src.cli import parse_config, resolve
+from src.config import TrainConfig, resolve_global_batch
 from src.errors import UsageError
 from tests.conftest import REPO
 

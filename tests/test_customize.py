@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from src.config import parse_config
+from src.cli import parse_config
 from src.errors import UsageError
 from tests.conftest import (
     REPO,

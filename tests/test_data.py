@@ -8,7 +8,8 @@ import pandas as pd
 import pytest
 import torch
 
-from src.config import TrainConfig, resolve
+from src.cli import resolve
+from src.config import TrainConfig
 from src.data import build_dataloaders as make_loaders
 from src.errors import UsageError
 from src.tasks import build_task

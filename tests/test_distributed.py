@@ -156,7 +156,8 @@ def test_sharded_processes_that_form_no_group_are_refused(out, tmp_path, config)
 
 FAULTS_PER_STEP = """
 import resource, sys, torch
-from src.config import TrainConfig, resolve
+from src.config import TrainConfig
+from src.cli import resolve
 from src.distributed import build_accelerator
 if sys.argv[1] == "template":
     build_accelerator(resolve(TrainConfig()))

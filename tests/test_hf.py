@@ -260,7 +260,7 @@ def test_resumed_text_classification_continues_bit_for_bit(assets, tmp_path):
 @pytest.mark.slow
 def test_text_pairs_are_one_input_with_two_separators(assets):
     """--text_pair_column: both texts in one input, [SEP] after each (here a line and its file:line id)."""
-    from src.config import parse_config
+    from src.cli import parse_config
     from src.tasks import build_task
 
     config = parse_config(["--task", "text_classification", "--model_name_or_path", assets["bert"],
@@ -275,7 +275,7 @@ def test_text_pairs_are_one_input_with_two_separators(assets):
 
 
 def test_offline_hub_model_fails_at_once_with_one_line(monkeypatch):
-    from src.config import parse_config
+    from src.cli import parse_config
     from src.errors import UsageError
     from src.tasks import build_task
 
@@ -293,7 +293,7 @@ def test_offline_hub_model_fails_at_once_with_one_line(monkeypatch):
     (["--model_name_or_path", "src"], "a folder without config.json"),
 ])  # fmt: skip
 def test_bad_model_source_is_one_line(flags, message):
-    from src.config import parse_config
+    from src.cli import parse_config
     from src.errors import UsageError
     from src.tasks import build_task
 
@@ -303,9 +303,9 @@ def test_bad_model_source_is_one_line(flags, message):
 
 
 def test_push_to_hub_needs_the_hub_and_a_token(monkeypatch):
-    from src.checkpoint import check_hub_push
     from src.config import TrainConfig
     from src.errors import UsageError
+    from src.hub import check_hub_push
 
     check_hub_push(TrainConfig())  # not asked: nothing checked
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

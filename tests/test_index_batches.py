@@ -7,8 +7,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Subset, default_collate
 
-from src.config import TrainConfig, resolve
-from src.data import EpochOrder, IndexBatches, LoaderBatches, gatherable, known_sequence
+from src.cli import resolve
+from src.config import TrainConfig
+from src.data import LoaderBatches
+from src.fast_path import EpochOrder, IndexBatches, gatherable, known_sequence
 from src.tasks import build_task
 from src.tasks.causal_lm import TokenBlocks
 from tests.conftest import assert_ok, assert_processes, read_metrics, run_train, run_with_hook, series, signal_at
@@ -57,7 +59,7 @@ def test_an_epoch_order_not_known_or_not_checked_is_drawn_from_the_batch_sampler
     """EpochOrder computes an epoch's indices only for a sampler it knows and after checking a second epoch against
     the batch sampler; otherwise (here: a sampler of the user's, and a sequence that the check refutes) it draws
     them, and the batches are still the DataLoader's."""
-    import src.data
+    import src.fast_path
 
     reversed_order = prepared(digits, 2, 1, shuffle=False, sampler=range(len(digits) - 1, -1, -1))
     assert EpochOrder(reversed_order).positions is None
@@ -68,7 +70,7 @@ def test_an_epoch_order_not_known_or_not_checked_is_drawn_from_the_batch_sampler
         return sequence if epoch == 0 else sequence.flip(0)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(src.data, "known_sequence", wrong_after_epoch_0)
+        patch.setattr(src.fast_path, "known_sequence", wrong_after_epoch_0)
         loader = prepared(digits, 2, 1)
         order = EpochOrder(loader)
         assert order.positions is None

@@ -277,7 +277,7 @@ def test_sbatch_script_has_the_requeue_settings(script):
 
 
 def test_single_node_sbatch_runs_ddp_on_all_gpus(slurm, monkeypatch):
-    from src.config import parse_config
+    from src.cli import parse_config
 
     user_args = ["--config", "configs/default.yaml", "--max_steps", "5"]
     result = slurm.run(SLURM / "single_node.sbatch", *user_args, SLURM_GPUS_ON_NODE="4")

@@ -8,7 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from src.config import TrainConfig, resolve
+from src.cli import resolve
+from src.config import TrainConfig
 from src.errors import UsageError
 from src.tasks import build_task, causal_lm
 from tests.conftest import REPO, assert_ok, assert_processes, read_metrics, run_python, run_train, run_with_hook, series

@@ -10,8 +10,10 @@ import pandas as pd
 import pytest
 import torch
 
-from src.checkpoint import BestModel, TrainerState, rotate_checkpoints
-from src.config import TrainConfig, parse_config
+from src.best import BestEvaluation
+from src.checkpoint import TrainerState, rotate_checkpoints
+from src.cli import parse_config
+from src.config import TrainConfig
 from src.errors import UsageError
 from tests.conftest import REPO, assert_ok, read_metrics, run_command, run_train, run_with_hook, series, signal_at
 
@@ -192,8 +194,9 @@ def test_rotation_never_deletes_the_best_checkpoint(tmp_path):
 def test_best_model_follows_the_metric_and_direction(metric, greater, values, best):
     config = TrainConfig(metric_for_best_model=metric, greater_is_better=greater)
     state = TrainerState()
-    tracker = BestModel(config, state)
-    improved = [tracker.improved({config.metric_for_best_model: v, "eval/other": 0.0}, i) for i, v in enumerate(values)]
+    tracker = BestEvaluation(config, state)
+    metrics = [{config.metric_for_best_model: value, "eval/other": 0.0} for value in values]
+    improved = [tracker.update(metric, step)[0] for step, metric in enumerate(metrics)]
     assert (state.best_model_step, state.best_model_metric) == best
     assert improved[0] and improved.count(True) == len({s for s, flag in enumerate(improved) if flag})
 

@@ -9,9 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from scripts.readme_commands import section_commands
-from src.config import TrainConfig, parse_config
+from src.cli import parse_config
+from src.config import TrainConfig
+from src.data import build_stream_loader
 from src.errors import UsageError
-from src.streaming import build_stream_loader
 from src.tasks import build_task
 from tests.conftest import (
     REPO,

@@ -13,7 +13,7 @@ import yaml
 
 from scripts import sweep
 from scripts.readme_commands import section_commands
-from src.config import parse_config
+from src.cli import parse_config
 from src.errors import UsageError
 from tests.conftest import REPO, assert_ok, assert_processes, read_metrics, run_command, run_python
 

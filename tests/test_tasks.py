@@ -9,10 +9,11 @@ import pytest
 import torch
 import yaml
 
-from src.checkpoint import trained_any_step
-from src.config import TrainConfig, parse_config, resolve, save_config
+from src.cli import parse_config, resolve
+from src.config import TrainConfig, save_config
 from src.data import build_dataloaders, check_first_batch
 from src.errors import EXIT_TASK_FAILED, LaunchError, TaskFailed, UsageError, describe
+from src.run_dir import trained_any_step
 from src.tasks import BUILT_IN, build_task, task_class, task_name
 from src.tasks.base import Task, task_errors
 from src.tasks.causal_lm import CausalLM

@@ -7,7 +7,8 @@ import shutil
 
 import pytest
 
-from src.config import TrainConfig, parse_config
+from src.cli import parse_config
+from src.config import TrainConfig
 from src.errors import UsageError
 from tests.conftest import (
     QUICK,

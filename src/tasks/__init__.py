@@ -6,10 +6,14 @@
 --task my_package.my_task.MyTask              or the class itself
 """
 
+import dataclasses
+import difflib
 import importlib
 import inspect
 
-from src.errors import UsageError
+from jsonargparse import ArgumentParser
+
+from src.errors import UsageError, one_line
 from src.tasks.base import Task
 
 BUILT_IN = {
@@ -63,9 +67,24 @@ def task_name(name: str) -> str:
 
 def build_task(config) -> Task:
     """The task, built once from the run's config and its own options (parsed and type-checked here)."""
-    from src.config import parse_task_options
-
     cls = task_class(config.task)
     if cls.loss_reduction not in ("mean", "sum"):
         raise UsageError(f"{cls.__name__}.loss_reduction must be 'mean' or 'sum' (got {cls.loss_reduction!r})")
     return cls(config, parse_task_options(cls, config.task_args))
+
+
+def parse_task_options(task_cls, values: dict):
+    """A task's options from a dict (Python callers, or the parsed command line), checked by the same parser."""
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(task_cls.Options, as_group=False)
+    keys = [f.name for f in dataclasses.fields(task_cls.Options)]
+    try:
+        parsed = parser.parse_object(values or {}).as_dict()
+    except Exception as err:
+        unknown = [k for k in (values or {}) if k not in keys]
+        close = difflib.get_close_matches(str(unknown[0]), keys, n=1) if unknown else []
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise UsageError(
+            f"options of --task {task_cls.__name__}: {one_line(err)}{hint} (they are {', '.join(keys) or 'none'})"
+        ) from err
+    return task_cls.Options(**parsed)

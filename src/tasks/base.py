@@ -30,7 +30,9 @@ from pathlib import Path
 from traceback import walk_tb
 from typing import TYPE_CHECKING, ClassVar
 
-from src.errors import UsageError
+from src.data import load_splits
+from src.errors import RunStopped, TaskFailed, UsageError, describe
+from src.final_model import load_weights
 
 if TYPE_CHECKING:
     import torch
@@ -110,8 +112,6 @@ class Task:
     def load_model(self, path: str) -> nn.Module:
         """`--model_name_or_path`: build_model() with the weights save_model() wrote (a run's model/ folder) or a
         checkpoint holds (checkpoints/step_<N>/). Hugging Face tasks load with from_pretrained in build_model."""
-        from src.checkpoint import load_weights
-
         model = self.build_model()
         load_weights(model, path)
         return model
@@ -125,8 +125,6 @@ class Task:
         """The id of each row build_eval_dataset(split, labelled=False) holds, in order, for predictions.jsonl; None
         without ids. Default: the split's `--id_column` read with src/data.py's loaders (Parquet, CSV, JSON, the
         Hub), None where the split has no such column. A task that reads other data returns its own."""
-        from src.data import load_splits
-
         data = load_splits(self.config, [split])[split]
         return data[self.config.id_column] if self.config.id_column in data.column_names else None
 
@@ -167,8 +165,6 @@ def task_errors(task: Task):
     except Exception as err:
         import torch.distributed as dist
         from accelerate.utils.memory import should_reduce_batch_size
-
-        from src.errors import RunStopped, TaskFailed, describe
 
         not_the_task = (RunStopped, OSError, *([dist.DistError] if hasattr(dist, "DistError") else []))
         if isinstance(err, not_the_task) or should_reduce_batch_size(err):

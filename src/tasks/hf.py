@@ -7,9 +7,10 @@ offline), tokenising once on the main process first, and saving the result with 
 from contextlib import contextmanager
 from pathlib import Path
 
-from src.checkpoint import saved_model_dir
-from src.data import check_columns, check_hub_repo, load_splits
+from src.data import check_columns, load_splits
 from src.errors import UsageError
+from src.final_model import saved_model_dir
+from src.hub import check_hub_repo
 from src.tasks.base import Task
 
 

@@ -1,0 +1,122 @@
+"""The command line: flags and `--config` YAML files -> a resolved TrainConfig, with the chosen task's options.
+
+    python train.py --config configs/default.yaml --learning_rate 3e-4 --norm batch   # norm: a digits option
+
+Parsing, type checking and the YAML file are jsonargparse's job. The task is found first, and its `Options`
+dataclass (src/tasks/) joins the same parser: its fields are flags and YAML keys like any other, shown by
+`python train.py --task X --help` and saved in the run's config.yaml.
+"""
+
+import dataclasses
+import difflib
+import inspect
+import re
+import sys
+from pathlib import Path
+
+import yaml
+from jsonargparse import ActionConfigFile, ArgumentParser
+
+from src.config import TrainConfig, field_help
+from src.errors import UsageError, one_line
+from src.tasks import BUILT_IN, parse_task_options, task_class, task_name
+
+
+def parse_config(argv: list[str] | None) -> TrainConfig:
+    """Defaults <- `--config file.yaml` <- `--field value` flags, type-checked; bad input raises UsageError.
+
+    The task is found first (`--task`, else the last --config file that names one, else digits) because its
+    options are part of the same command line.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    name = find_task_name(argv)
+    cls = task_class(name)
+    parser = build_parser(name, cls)
+    try:
+        namespace = parser.parse_args(argv)
+    except Exception as err:  # jsonargparse reports every parse problem as some exception with a message
+        hint = suggestion(err, parser, cls, name)
+        raise UsageError(f"{one_line(err)}{hint}; see `python train.py --task {name} --help`") from err
+    values = namespace.as_dict()
+    values.pop("config", None)
+    option_names = {f.name for f in dataclasses.fields(cls.Options)}
+    task_args = {k: values.pop(k) for k in option_names}
+    return resolve(TrainConfig(**values, task_args=task_args))
+
+
+def build_parser(name: str, task_cls):
+    clash = {f.name for f in dataclasses.fields(TrainConfig)} & {f.name for f in dataclasses.fields(task_cls.Options)}
+    if clash:
+        raise UsageError(f"{task_cls.__name__}.Options fields {', '.join(sorted(clash))} clash with TrainConfig "
+                         "fields of the same name; rename them in the task")  # fmt: skip
+    parser = ArgumentParser(
+        description="Train a model with Hugging Face Accelerate.", exit_on_error=False, allow_abbrev=False
+    )
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML file with any of the fields below")
+    parser.add_class_arguments(TrainConfig, as_group=False, skip={"task_args"})
+    parser.add_class_arguments(task_cls.Options, as_group=True)
+    helps = {**field_help(TrainConfig), **field_help(task_cls.Options)}
+    for action in parser._actions:  # jsonargparse takes help from docstrings; ours are the fields' comments
+        if action.dest in helps:
+            action.help = helps[action.dest]
+    source = Path(inspect.getsourcefile(task_cls) or "?").resolve()
+    source = source.relative_to(Path.cwd()) if source.is_relative_to(Path.cwd()) else source
+    for group in parser._action_groups:
+        if group.title and task_cls.Options.__name__ in group.title:
+            group.title = f"options of --task {name} ({source}: {task_cls.__qualname__}.Options)"
+            group.description = None
+    return parser
+
+
+def find_task_name(argv: list[str]) -> str:
+    """`--task X` / `--task=X` on the command line, else the last `--config` file naming a task, else digits."""
+    name = TrainConfig.task
+    for i, arg in enumerate(argv):
+        value = argv[i + 1] if i + 1 < len(argv) else None
+        if arg.startswith("--config="):
+            arg, value = "--config", arg.split("=", 1)[1]
+        if arg == "--config" and value and Path(value).is_file():
+            try:
+                loaded = yaml.safe_load(Path(value).read_text())
+            except yaml.YAMLError:
+                continue  # the parser reports it
+            if isinstance(loaded, dict) and isinstance(loaded.get("task"), str):
+                name = loaded["task"]
+    for i, arg in enumerate(argv):
+        if arg == "--task" and i + 1 < len(argv):
+            name = argv[i + 1]
+        elif arg.startswith("--task="):
+            name = arg.split("=", 1)[1]
+    return name
+
+
+def suggestion(err: Exception, parser, task_cls, name: str) -> str:
+    """'; did you mean --x?' for an unknown key, or the task whose option it is."""
+    known = {a.dest for a in parser._actions}
+    words = re.findall(r"--(\w+)|'(\w+)'", str(err))  # flags and quoted keys, in the message's order
+    unknown = [w for pair in words for w in pair if w and w not in known]
+    for word in unknown:
+        for other_name in BUILT_IN:
+            other = task_class(other_name)
+            if other is not task_cls and word in {f.name for f in dataclasses.fields(other.Options)}:
+                return f"; --{word} is an option of --task {other_name}, not of --task {name}"
+        close = difflib.get_close_matches(word, known, n=1)
+        if close:
+            return f"; did you mean --{close[0]}?"
+    return ""
+
+
+def resolve(config: TrainConfig) -> TrainConfig:
+    """Fill in what follows from the task: its options' defaults, its default data files, output_dir runs/<task>."""
+    cls = task_class(config.task)
+    options = dataclasses.asdict(parse_task_options(cls, config.task_args))
+    data_files = config.data_files
+    if not config.dataset_name and not data_files:
+        data_files = cls.default_data_files
+        if not data_files:
+            raise UsageError(f"no data for --task {config.task}: set --data_files (local files) or --dataset_name")
+    output_dir = config.output_dir or f"runs/{task_name(config.task)}"
+    model = config.model_name_or_path or (None if config.do_train else f"{output_dir}/model")  # the run's own model
+    return dataclasses.replace(
+        config, task_args=options, data_files=data_files, output_dir=output_dir, model_name_or_path=model
+    )

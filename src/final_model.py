@@ -1,0 +1,39 @@
+"""The final model: `output_dir/model/` in the task's format, written from every process's shards, and read back
+(`--model_name_or_path` a run, its model/ or a checkpoint)."""
+
+from pathlib import Path
+
+from src.errors import UsageError
+from src.run_dir import CONFIG_FILE, MODEL_DIR, STATE_FILE
+
+
+def save_final_model(accelerator, task, model, output_dir: Path) -> Path:
+    """The task's format (safetensors by default), gathered from every process (FSDP/DeepSpeed shards included)."""
+    model_dir = output_dir / MODEL_DIR
+    task.save_model(accelerator, model, model_dir)
+    accelerator.wait_for_everyone()
+    return model_dir
+
+
+def load_weights(model, path: str) -> None:
+    """The weights in a saved model folder (model.safetensors, or shards with an index) or a checkpoint, into
+    `model`; every parameter must be there with its shape (a different --model or size is one clear line)."""
+    from accelerate.utils import load_checkpoint_in_model
+
+    folder = saved_model_dir(path)
+    try:
+        load_checkpoint_in_model(model, str(folder), strict=True)
+    except (ValueError, RuntimeError, OSError) as err:
+        message = " ".join(str(err).split())[:300]
+        raise UsageError(f"--model_name_or_path {path} does not hold weights for this model "
+                         f"(same --task and options as when it was trained?): {message}") from err  # fmt: skip
+
+
+def saved_model_dir(path: str) -> Path:
+    """A run's model/ folder as given; a run's output_dir -> its model/; a checkpoint -> its exported model/ if any."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise UsageError(f"--model_name_or_path {path}: no such folder (a run's model/ or checkpoints/step_<N>/)")
+    if (folder / MODEL_DIR).is_dir() and ((folder / STATE_FILE).is_file() or (folder / CONFIG_FILE).is_file()):
+        return folder / MODEL_DIR
+    return folder

@@ -1,0 +1,117 @@
+"""The run directory (`output_dir`): the names of what a run writes there, and getting it ready without losing a run.
+
+output_dir/config.yaml  metrics.jsonl  checkpoints/step_<N>/  model/  eval_results.json  predictions.jsonl
+"""
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from src.config import TrainConfig, save_config
+from src.errors import UsageError
+
+logger = logging.getLogger(__name__)
+
+# What a run writes into output_dir, each name spelled once here; --overwrite_output_dir removes exactly these.
+CONFIG_FILE = "config.yaml"
+
+METRICS_FILE = "metrics.jsonl"
+
+CHECKPOINTS_DIR = "checkpoints"
+
+MODEL_DIR = "model"
+
+EVAL_RESULTS_FILE = "eval_results.json"  # the final eval (and test) metrics, also of a run without training
+
+PREDICTIONS_FILE = "predictions.jsonl"  # --do_predict: one row per sample of the predicted split, in input order
+
+MLFLOW_STORE = "mlflow.db"  # --report_to mlflow without MLFLOW_TRACKING_URI: the run's local store (src/tracking.py)
+
+DVCLIVE_DIR = "dvclive"
+
+TRACKER_FILES = ("wandb", MLFLOW_STORE, DVCLIVE_DIR)  # trackers' local files (tensorboard's: output_dir/project_name)
+
+RUN_FILES = (METRICS_FILE, CONFIG_FILE, CHECKPOINTS_DIR, MODEL_DIR, EVAL_RESULTS_FILE, PREDICTIONS_FILE)
+
+RUN_ARTIFACTS = (*RUN_FILES, *TRACKER_FILES)
+
+STATE_FILE = "trainer_state.json"
+
+TMP_PREFIX = ".tmp_"
+
+
+def prepare_output_dir(accelerator, config: TrainConfig, resume_step: int | None) -> Path:
+    """Every process checks, then the main process writes: a refused run leaves every file as it was.
+
+    A previous run that never finished an optimiser step (it failed while starting) holds nothing worth keeping:
+    it is replaced without asking, so the same command can simply be run again.
+    """
+    output_dir = Path(config.output_dir)
+    artifacts = [*RUN_ARTIFACTS, config.project_name]  # tensorboard logs go to output_dir/project_name
+    previous = [name for name in artifacts if (output_dir / name).exists()]
+    replacing = previous and resume_step is None
+    asked = config.overwrite_output_dir or config.resume_from_checkpoint == "latest" or not trained_any_step(output_dir)
+    if replacing and not asked:
+        raise UsageError(
+            f"{output_dir} already holds a run ({', '.join(previous)}); continue it with --resume_from_checkpoint "
+            "latest, replace it with --overwrite_output_dir true, or choose another --output_dir"
+        )
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        if replacing:  # a fresh start: nothing of the previous run's logs may mix into this one
+            logger.info("replacing the previous run in %s (%s)", output_dir, ", ".join(previous))
+            for name in previous:
+                remove(output_dir / name)
+        else:
+            truncate_metrics(output_dir, resume_step or 0)
+        remove_incomplete_checkpoints(output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        save_config(config, output_dir / CONFIG_FILE)
+    accelerator.wait_for_everyone()
+    return output_dir
+
+
+def trained_any_step(output_dir: Path) -> bool:
+    """Whether a run in output_dir got past its first optimiser step: a checkpoint, a model or a logged step."""
+    if (output_dir / CHECKPOINTS_DIR).is_dir() or (output_dir / MODEL_DIR).exists():
+        return True
+    metrics = output_dir / METRICS_FILE
+    if not metrics.is_file():
+        return False
+    for line in metrics.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) > 0:
+                return True
+        except ValueError:
+            return True  # not ours to judge: keep it
+    return False
+
+
+def remove(path: Path) -> None:
+    shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def write_atomically(accelerator, path: Path, text: str) -> None:
+    """Main process: the whole file or none of it (a kill mid-write leaves the previous one)."""
+    if accelerator.is_main_process:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(TMP_PREFIX + path.name)
+        partial.write_text(text)
+        os.replace(partial, path)
+    accelerator.wait_for_everyone()
+
+
+def remove_incomplete_checkpoints(output_dir: Path) -> None:
+    for path in sorted((output_dir / CHECKPOINTS_DIR).glob(f"{TMP_PREFIX}*")):
+        logger.warning("removing %s: an incomplete checkpoint from an interrupted write", path)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def truncate_metrics(output_dir: Path, step: int) -> None:
+    """A resumed run re-logs the steps after its checkpoint: drop them so metrics.jsonl has each step once."""
+    path = output_dir / METRICS_FILE
+    if path.exists():
+        lines = path.read_text().splitlines(keepends=True)
+        path.write_text("".join(line for line in lines if json.loads(line)["step"] <= step))
