@@ -24,5 +24,5 @@ format:           ## ruff autofix and format
 benchmark:        ## the template vs a textbook and an index-batching raw PyTorch loop
 	$(PY) scripts/benchmark.py --output runs/benchmark.json
 
-config-reference: ## regenerate the config table in README.md from src/config.py
+config-reference: ## regenerate the config table in docs/config.md from src/config.py
 	$(PY) scripts/config_reference.py
