@@ -83,9 +83,12 @@ def test_readme_is_a_front_door_with_a_map_of_every_docs_page():
 
 
 def workspace(tmp_path, *names: str):
-    """A folder that links to the repository's code, so commands run in it write their runs/ and data/ there."""
+    """A folder that links to the repository's code and digits, so commands run in it write their runs/ and data/
+    there."""
     for name in names or ("train.py", "src", "configs", "accelerate_configs", "scripts"):
         (tmp_path / name).symlink_to(REPO / name)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "digits").symlink_to(REPO / "data" / "digits")
     return tmp_path
 
 
@@ -189,10 +192,11 @@ def test_guide_tabular_command(tmp_path):
 @pytest.mark.slow
 def test_guide_task_commands(tmp_path):
     """docs/customize.md's commands for the task written from scratch, with the guide's two files where it puts them
-    (in a copy of src/, so the repository's own src/ stays as it is)."""
+    (in a copy of train.py and src/, so the repository's own src/ stays as it is)."""
     commands = section_commands("Your task", page="docs/customize.md")
     assert [c.split()[1] for c in commands] == ["make_sequences.py", "train.py", "launch"]
-    cwd = workspace(tmp_path, "train.py", "configs", "accelerate_configs", "scripts")
+    cwd = workspace(tmp_path, "configs", "accelerate_configs", "scripts")
+    shutil.copy(REPO / "train.py", cwd)  # a copy: python puts a linked script's real folder first on sys.path
     shutil.copytree(REPO / "src", cwd / "src", ignore=shutil.ignore_patterns("__pycache__"))
     (cwd / "src" / "tasks" / "sequences.py").write_text(guide_block("# src/tasks/sequences.py"))
     (cwd / "make_sequences.py").write_text(guide_block("# make_sequences.py"))
