@@ -1,4 +1,4 @@
-# Shortcuts for the commands in README.md (each target is one of them).
+# Shortcuts for the commands in README.md and docs/ (each target is one of them).
 PY := .venv/bin/python
 
 .PHONY: setup train test test-fast lint format benchmark config-reference
