@@ -1,4 +1,4 @@
-# Shortcuts for the commands in README.md (each target is one of them).
+# Shortcuts for the commands in README.md and docs/ (each target is one of them).
 PY := .venv/bin/python
 
 .PHONY: setup train test test-fast lint format benchmark config-reference
@@ -24,5 +24,5 @@ format:           ## ruff autofix and format
 benchmark:        ## the template vs a textbook and an index-batching raw PyTorch loop
 	$(PY) scripts/benchmark.py --output runs/benchmark.json
 
-config-reference: ## regenerate the config table in README.md from src/config.py
+config-reference: ## regenerate the config table in docs/config.md from src/config.py
 	$(PY) scripts/config_reference.py

@@ -1,7 +1,7 @@
-"""Write the README's config reference from src/config.py and the built-in tasks' options (a test runs --check).
+"""Write docs/config.md's reference from src/config.py and the built-in tasks' options (a test runs --check).
 
-python scripts/config_reference.py          # rewrite the table in README.md
-python scripts/config_reference.py --check  # exit 1 if README.md is out of date
+python scripts/config_reference.py          # rewrite the table in docs/config.md
+python scripts/config_reference.py --check  # exit 1 if docs/config.md is out of date
 """
 
 import dataclasses
@@ -12,6 +12,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
+PAGE = REPO / "docs" / "config.md"
 
 
 def field_sections() -> dict[str, str]:
@@ -58,21 +59,20 @@ def table() -> str:
 
 
 def main() -> int:
-    readme = (REPO / "README.md").read_text()
-    if START not in readme or END not in readme:
-        print(f"error: README.md has no {START} ... {END} markers", file=sys.stderr)
+    page = PAGE.read_text()
+    name = PAGE.relative_to(REPO)
+    if START not in page or END not in page:
+        print(f"error: {name} has no {START} ... {END} markers", file=sys.stderr)
         return 2
-    before, rest = readme.split(START, 1)
+    before, rest = page.split(START, 1)
     _, after = rest.split(END, 1)
     updated = f"{before}{START}\n{table()}\n{END}{after}"
     if "--check" in sys.argv[1:]:
-        if updated != readme:
-            print(
-                "README.md's config reference is out of date: run python scripts/config_reference.py", file=sys.stderr
-            )
+        if updated != page:
+            print(f"{name}'s config reference is out of date: run python scripts/config_reference.py", file=sys.stderr)
             return 1
         return 0
-    (REPO / "README.md").write_text(updated)
+    PAGE.write_text(updated)
     return 0
 
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in one short run (about 5 minutes on one H100/H200, at most TOTAL_S seconds): prints a
-# version line and one markdown table row per check for the README's compatibility table; each run's files and log
-# stay in $OUT. A check that fails, or runs out of time, prints a FAILED row and the next one runs. CPU-only CI never
-# runs this; tests skip GPU paths cleanly.
+# version line and one markdown table row per check for the table in docs/launching.md ("What has run where"); each
+# run's files and log stay in $OUT. A check that fails, or runs out of time, prints a FAILED row and the next one
+# runs. CPU-only CI never runs this; tests skip GPU paths cleanly.
 #   bash scripts/gpu_check.sh       # OUT=runs/gpu_check, TOTAL_S=500, LM_STEPS=100 (compiled), LM_EAGER_STEPS=60
 #   LM_ARGS="--per_device_train_batch_size 64" bash scripts/gpu_check.sh   # extra flags for both LM runs
 # The LM rows report the median train/tokens_per_s and train/mfu over the logging windows after the first: each

@@ -3,8 +3,8 @@
     python scripts/new_project.py my-vision-project
 
 Rewrites the project name (read from pyproject.toml, so a renamed project can be renamed again) in pyproject.toml,
-the wandb/tensorboard `project_name` default in src/config.py (and the README's generated config table), and the
-README's title; then `git init` a fresh history if you like. The code keeps its `src/` layout, so imports stay as
+the wandb/tensorboard `project_name` default in src/config.py (and the generated config table in docs/config.md), and
+the README's title; then `git init` a fresh history if you like. The code keeps its `src/` layout, so imports stay as
 they are, and the test suite passes in the renamed project (it reads the name, it does not hard-code it).
 """
 
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-FILES = ("pyproject.toml", "src/config.py", "README.md")
+FILES = ("pyproject.toml", "src/config.py", "README.md", "docs/config.md")
 
 
 def current_name(repo: Path = REPO) -> str:

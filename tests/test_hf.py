@@ -379,7 +379,7 @@ def test_readme_hugging_face_commands_run_as_written(tmp_path):
                                       f'--main_process_port {free_port()} "$@"\n')  # fmt: skip
     for shim in shims.iterdir():
         shim.chmod(0o755)
-    commands = section_commands("Hugging Face models")
+    commands = section_commands("Hugging Face models", page="docs/hugging_face.md")
     assert len(commands) == 4
     results = [
         run_command(["bash", "-c", c], cwd=copy, env={"PATH": f"{shims}:{os.environ['PATH']}"}) for c in commands

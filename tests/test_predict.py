@@ -279,7 +279,7 @@ def test_readme_use_your_trained_model_commands_run(tmp_path):
     for name in ("train.py", "src", "data", "configs", "accelerate_configs", "scripts"):
         (tmp_path / name).symlink_to(REPO / name)
     assert_ok(run_train("--output_dir", str(tmp_path / "runs" / "digits")))  # the Quickstart's run
-    for command in section_commands("Use your trained model"):
+    for command in section_commands("Use your trained model", page="docs/predict.md"):
         words = shlex.split(command)
         words[0] = sys.executable if words[0] == "python" else words[0]
         assert_ok(run_command(words, cwd=tmp_path, timeout=600))

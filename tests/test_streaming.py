@@ -160,7 +160,7 @@ def test_readme_streaming_commands_run_as_written(tmp_path):
     each train command shortened to 4 steps."""
     for name in ("train.py", "src", "configs", "accelerate_configs", "scripts"):
         (tmp_path / name).symlink_to(REPO / name)
-    commands = section_commands("Streaming")
+    commands = section_commands("Streaming", page="docs/streaming.md")
     assert [c.split()[1] for c in commands] == ["scripts/make_shards.py", "train.py", "launch"]
     for i, command in enumerate(commands):
         words = shlex.split(command)

@@ -220,7 +220,7 @@ def test_sigterm_to_the_sweep_stops_its_trial(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command", section_commands("Hyperparameter sweeps"))
+@pytest.mark.parametrize("command", section_commands("Hyperparameter sweeps", page="docs/sweeps.md"))
 def test_readme_sweep_command_runs_as_written(command, tmp_path):
     words = shlex.split(command)
     assert words[:2] == ["python", "scripts/sweep.py"]
