@@ -1,6 +1,6 @@
 """Build the Accelerator so one command trains the same way on CPU, one GPU or N processes.
 
-The traps this module closes (each measured, see README "How it works"):
+The traps this module closes (docs/how_it_works.md):
 - On a machine without GPUs, `accelerate launch --multi_gpu` or `torchrun` with a plain `Accelerator()` starts N
   processes that never form a group: N independent trainings, silently. We pass `cpu=True` there, which gives
   real gloo DDP, and refuse to run if the launcher's world size and the accelerator's disagree.

@@ -1,4 +1,4 @@
-"""In-memory data batched by index (src/data.py: IndexBatches) gives the DataLoader's batches: the same samples in
+"""In-memory data batched by index (src/fast_path.py: IndexBatches) gives the DataLoader's batches: the same samples in
 the same order, the same shards on N processes, the same resume, hence the same per-step losses."""
 
 from types import SimpleNamespace

@@ -6,7 +6,7 @@ import pytest
 
 from tests.conftest import assert_ok, assert_processes, read_metrics, run_command, run_train, series
 
-# 20 steps at the learning rate where 1 and 2 processes agree to float rounding (README "How exact is the same")
+# 20 steps at the learning rate where 1 and 2 processes agree to float rounding (docs/how_it_works.md)
 SAME_RUN = ["--learning_rate", "1e-3", "--max_steps", "20", "--logging_steps", "1", "--eval_steps", "1000"]
 
 

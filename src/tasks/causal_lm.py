@@ -7,7 +7,7 @@
 Byte-level: the tokens are a text's UTF-8 bytes (vocabulary 256), so there is no tokenizer to download or train.
 Each split's documents are joined with a separator byte and cut into fixed blocks of `block_size + 1` tokens
 (input = block[:-1], target = block[1:]); the remainder is dropped. The model is src/models/gpt.py.
-With `--streaming true` the train split is read from shard files and packed on the fly (README "Streaming").
+With `--streaming true` the train split is read from shard files and packed on the fly (docs/streaming.md).
 """
 
 import math
@@ -45,7 +45,7 @@ class TokenBlocks(Dataset):
         block = self.blocks[index].long()
         return block[:-1], block[1:]
 
-    # a batch as one gather (src/data.py: Gatherable), the same tensors default_collate stacks from __getitem__
+    # a batch as one gather (src/fast_path.py: Gatherable), the same tensors default_collate stacks from __getitem__
     def gather(self, indices: torch.Tensor) -> list[torch.Tensor]:
         blocks = self.blocks[indices].long()
         return [blocks[:, :-1].contiguous(), blocks[:, 1:].contiguous()]

@@ -1,0 +1,98 @@
+"""The shape of the code: no import cycle between the modules of src/ and train.py, and a loop that stays readable."""
+
+import ast
+from pathlib import Path
+
+from tests.conftest import REPO
+
+
+def module_files() -> dict[str, Path]:
+    files = {"train": REPO / "train.py"}
+    for path in (REPO / "src").rglob("*.py"):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return files
+
+
+def runtime_imports(path: Path, modules: set[str]) -> set[str]:
+    """Every module of ours that `path` imports when it runs: at the top or inside a function (where a cycle would
+    hide), not under `if TYPE_CHECKING:`. Importing a.b also runs package a's __init__."""
+    tree = ast.parse(path.read_text())
+    skipped = {
+        id(node) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+    }
+    inside = {id(child) for node in ast.walk(tree) if id(node) in skipped for child in ast.walk(node)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in inside:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    ours = set()
+    for name in found:
+        parts = name.split(".")
+        ours |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)} & modules
+    return ours
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = module_files()
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        imports = runtime_imports(path, set(files))
+        # a module's own enclosing packages are already being imported when it runs: not an edge
+        graph[name] = {t for t in imports if t != name and not (package + ".").startswith(t + ".")}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        state[node] = "done"
+        stack.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_cycle_in_src_and_train_py():
+    graph = import_graph()
+    assert graph["src.cli"] >= {"src.config", "src.tasks"}  # the graph sees real imports
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_the_cycle_finder_finds_a_function_local_cycle(tmp_path):
+    (tmp_path / "a.py").write_text("import b\n")
+    (tmp_path / "b.py").write_text("def f():\n    import a\n")
+    graph = {name: runtime_imports(tmp_path / f"{name}.py", {"a", "b"}) - {name} for name in ("a", "b")}
+    assert find_cycle(graph) == ["a", "b", "a"]
+
+
+def test_train_reads_in_one_sitting():
+    """train() at most 80 lines and 4 blocks deep; the loop body at most 40 lines."""
+    tree = ast.parse((REPO / "train.py").read_text())
+    train = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "train")
+    blocks = (ast.For, ast.While, ast.If, ast.With, ast.Try)
+
+    def depth(node, level=0):
+        children = [child for child in ast.iter_child_nodes(node) if not isinstance(child, ast.FunctionDef)]
+        return max([level, *(depth(c, level + isinstance(c, blocks)) for c in children)])
+
+    loop = next(node for node in ast.walk(train) if isinstance(node, ast.For))
+    assert train.end_lineno - train.lineno + 1 <= 80
+    assert depth(train) <= 4
+    assert loop.end_lineno - loop.lineno + 1 <= 40
