@@ -78,8 +78,13 @@ def main(args: list[str] | TrainConfig | None = None) -> dict:
 
     @find_executable_batch_size(starting_batch_size=first, reduce_batch_size_fn=halve)
     def train_with(batch_size: int) -> dict:  # a retry replaces what the attempt that ran out of memory wrote
-        return train(replace(config, per_device_train_batch_size=batch_size,
-                             overwrite_output_dir=config.overwrite_output_dir or batch_size != first))  # fmt: skip
+        return train(
+            replace(
+                config,
+                per_device_train_batch_size=batch_size,
+                overwrite_output_dir=config.overwrite_output_dir or batch_size != first,
+            )
+        )
 
     return train_with()
 
@@ -107,7 +112,6 @@ def set_up(config: TrainConfig, training: bool) -> Setup:
     accelerator = build_accelerator(config, log_with=build_trackers(config) if training else None)
     setup_logging(accelerator)
     set_seed(config.seed)  # same seed on every process: identical initial weights, like a broadcast
-    check_hub_push(config)
     task = build_task(config)
     pin_memory = accelerator.device.type == "cuda"
     train_loader, eval_loader = build_loaders(task, config, accelerator, training, pin_memory)
@@ -134,6 +138,7 @@ def set_up(config: TrainConfig, training: bool) -> Setup:
 
 def train(config: TrainConfig) -> dict:
     """Train, evaluating and checkpointing as configured; returns the final eval (and test) metrics."""
+    check_hub_push(config)  # --push_to_hub offline or without a token: said before training, not after
     run = set_up(config, training=True)
     accelerator, task, model, metric, eval_loader = run.accelerator, run.task, run.model, run.metric, run.eval_loader
     optimizer = DirectOptimizer(accelerator, model, run.optimizer, run.torch_optimizer)  # see src/fast_path.py
@@ -282,8 +287,9 @@ def finish(run: Setup, config: TrainConfig, metrics: dict, step: int) -> dict:
     if run.predict_loader is not None:
         rows = with_ids(predictions(task, run.model, run.predict_loader, accelerator), task, run.predict_split)
         write_atomically(accelerator, output_dir / PREDICTIONS_FILE, "".join(json.dumps(r) + "\n" for r in rows))
-        logger.info("%d predictions of the %s split written to %s", len(rows), run.predict_split,
-                    output_dir / PREDICTIONS_FILE)  # fmt: skip
+        logger.info(
+            "%d predictions of the %s split written to %s", len(rows), run.predict_split, output_dir / PREDICTIONS_FILE
+        )
     return metrics
 
 

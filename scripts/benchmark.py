@@ -82,8 +82,12 @@ def summarize(times: list[float], batch: int, device) -> dict:
     from src.meters import peak_memory_gb
 
     steady = times[len(times) // 4 :]
-    return {"samples_per_s": (len(steady) - 1) * batch / (steady[-1] - steady[0]), "steps": len(times),
-            "first_step_at": STARTED + (times[0] - START_PERF), "peak_memory_gb": peak_memory_gb(device)}  # fmt: skip
+    return {
+        "samples_per_s": (len(steady) - 1) * batch / (steady[-1] - steady[0]),
+        "steps": len(times),
+        "first_step_at": STARTED + (times[0] - START_PERF),
+        "peak_memory_gb": peak_memory_gb(device),
+    }
 
 
 def training_config(args, output_dir: str):
@@ -91,11 +95,21 @@ def training_config(args, output_dir: str):
     from src.config import TrainConfig
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    return resolve(TrainConfig(
-        output_dir=output_dir, task_args={"model": args.model}, max_steps=args.steps, global_batch_size=args.batch,
-        per_device_train_batch_size=args.batch // world, logging_steps=50, eval_steps=10**9, save_steps=0,
-        save_total_limit=None, report_to="none", max_grad_norm=args.max_grad_norm,
-    ))  # fmt: skip
+    return resolve(
+        TrainConfig(
+            output_dir=output_dir,
+            task_args={"model": args.model},
+            max_steps=args.steps,
+            global_batch_size=args.batch,
+            per_device_train_batch_size=args.batch // world,
+            logging_steps=50,
+            eval_steps=10**9,
+            save_steps=0,
+            save_total_limit=None,
+            report_to="none",
+            max_grad_norm=args.max_grad_norm,
+        )
+    )
 
 
 # --- the raw loops: (a) over a DataLoader, (b) by index ---
@@ -198,15 +212,33 @@ def child_main(args) -> None:
 
 def child_command(args, side: str, condition: str, result: Path) -> list[str]:
     script = [str(Path(__file__).resolve()), "--child", side, "--result", str(result)]
-    options = ["--model", args.model, "--steps", str(args.steps), "--batch", str(args.batch), "--processes",
-               str(args.processes), "--device", args.device, "--max_grad_norm", str(args.max_grad_norm)]  # fmt: skip
+    options = [
+        "--model",
+        args.model,
+        "--steps",
+        str(args.steps),
+        "--batch",
+        str(args.batch),
+        "--processes",
+        str(args.processes),
+        "--device",
+        args.device,
+        "--max_grad_norm",
+        str(args.max_grad_norm),
+    ]
     if condition == "tuned":
         options += ["--threads", "1"]
     if args.processes == 1:
         return [sys.executable, *script, *options]
     if side == "template":
-        launcher = ["-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs/ddp.yaml"),
-                    "--num_processes", str(args.processes)]  # fmt: skip
+        launcher = [
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(REPO / "accelerate_configs/ddp.yaml"),
+            "--num_processes",
+            str(args.processes),
+        ]
     else:
         launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(args.processes)]
     return [sys.executable, *launcher, *script, *options]
@@ -233,8 +265,13 @@ def run_side(args, side: str, condition: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         spawned, clock = time.time(), time.perf_counter()
-        completed = subprocess.run(child_command(args, side, condition, result), cwd=REPO, env=child_env(condition),
-                                   capture_output=True, text=True)  # fmt: skip
+        completed = subprocess.run(
+            child_command(args, side, condition, result),
+            cwd=REPO,
+            env=child_env(condition),
+            capture_output=True,
+            text=True,
+        )
         wall = time.perf_counter() - clock
         if completed.returncode != 0:
             sys.exit(f"error: the {side} run failed:\n{completed.stderr[-3000:]}")
@@ -264,8 +301,10 @@ def summarize_condition(runs: dict) -> dict:
         | {"peak_memory_gb": max(r["peak_memory_gb"] for r in results), "runs": results}
         for side, results in runs.items()
     }
-    rounds = {name: [a[key] / b[key] for a, b in zip(runs[top], runs[bottom], strict=True)]
-              for name, (top, bottom, key) in RATIOS.items()}  # fmt: skip
+    rounds = {
+        name: [a[key] / b[key] for a, b in zip(runs[top], runs[bottom], strict=True)]
+        for name, (top, bottom, key) in RATIOS.items()
+    }
     report["round_ratios"] = rounds
     report["ratios"] = {name: statistics.median(values) for name, values in rounds.items()}
     return report

@@ -53,8 +53,10 @@ def main(argv: list[str] | None = None) -> None:
         pq.write_table(pa.table(shard), args.out / f"train-{i:05d}-of-{args.num_shards:05d}.parquet", ROW_GROUP)
     pq.write_table(pa.table({"path": evals, "text": [texts[p] for p in evals]}), args.out / "eval.parquet", ROW_GROUP)
     size = sum(len(text.encode()) for _, text in rows) / 2**20
-    print(f"wrote {len(rows)} train documents ({size:.2f} MB) in {args.num_shards} shards and {len(evals)} eval "
-          f"documents to {args.out}")  # fmt: skip
+    print(
+        f"wrote {len(rows)} train documents ({size:.2f} MB) in {args.num_shards} shards and {len(evals)} eval "
+        f"documents to {args.out}"
+    )
 
 
 if __name__ == "__main__":

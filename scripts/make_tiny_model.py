@@ -64,9 +64,11 @@ def gpt2_tokenizer(texts: list[str]) -> GPT2Tokenizer:
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE, special_tokens=[GPT2_SPECIAL], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=VOCAB_SIZE,
+        special_tokens=[GPT2_SPECIAL],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
-    )  # fmt: skip
+    )
     backend.train_from_iterator(texts, trainer)
     # GPT-2 has no pad token of its own; eos as pad is the usual choice (the attention mask hides it)
     return GPT2Tokenizer(tokenizer_object=backend, pad_token=GPT2_SPECIAL, model_max_length=256)
@@ -74,17 +76,28 @@ def gpt2_tokenizer(texts: list[str]) -> GPT2Tokenizer:
 
 def bert_model(tokenizer: BertTokenizer) -> BertModel:
     config = BertConfig(
-        vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
-        max_position_embeddings=128, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     return BertModel(config)
 
 
 def gpt2_model(tokenizer: GPT2Tokenizer) -> GPT2LMHeadModel:
     config = GPT2Config(
-        vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=2, n_positions=256,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
+        vocab_size=len(tokenizer),
+        n_embd=64,
+        n_layer=2,
+        n_head=2,
+        n_positions=256,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     return GPT2LMHeadModel(config)
 
 

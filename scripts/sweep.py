@@ -95,9 +95,13 @@ def main(argv: list[str] | None = None) -> None:
     output_dir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill`: stop the running trial too, as Ctrl-C does
     study = optuna.create_study(
-        study_name=study_name, storage=storage, direction=space.direction, sampler=space.sampler,
-        pruner=space.pruner, load_if_exists=True,
-    )  # fmt: skip
+        study_name=study_name,
+        storage=storage,
+        direction=space.direction,
+        sampler=space.sampler,
+        pruner=space.pruner,
+        load_if_exists=True,
+    )
     finished_states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
     done = len(study.get_trials(deepcopy=False, states=finished_states))
     print(f"study {study_name} in {shown}: {done} of {args.n_trials} trials finished", flush=True)
@@ -194,10 +198,14 @@ def load_space(path: Path, train_args: list[str]) -> Space:
         for value in values:
             check_train_args([*base, *flags({name: value})], f"search space {path}: {name}={value!r}")
     return Space(
-        path=path, metric=spec.get("metric", "eval/loss"), direction=direction, fixed=fixed,
-        distributions=distributions, pruner=optuna_object(optuna.pruners, spec.get("pruner", "MedianPruner"), problem),
+        path=path,
+        metric=spec.get("metric", "eval/loss"),
+        direction=direction,
+        fixed=fixed,
+        distributions=distributions,
+        pruner=optuna_object(optuna.pruners, spec.get("pruner", "MedianPruner"), problem),
         sampler=optuna_object(optuna.samplers, spec.get("sampler", "TPESampler"), problem),
-    )  # fmt: skip
+    )
 
 
 def distribution(name: str, spec, problem):
@@ -216,8 +224,9 @@ def distribution(name: str, spec, problem):
         numbers = [spec["low"], spec["high"], spec.get("step") or 1]
         if all(isinstance(v, int) and not isinstance(v, bool) for v in numbers):
             return IntDistribution(spec["low"], spec["high"], log=spec.get("log", False), step=spec.get("step") or 1)
-        return FloatDistribution(float(spec["low"]), float(spec["high"]), log=spec.get("log", False),
-                                 step=spec.get("step"))  # fmt: skip
+        return FloatDistribution(
+            float(spec["low"]), float(spec["high"]), log=spec.get("log", False), step=spec.get("step")
+        )
     except (ValueError, TypeError) as err:
         raise problem(f"{name}: {err}") from None
 
@@ -261,7 +270,7 @@ def did_you_mean(word: str, known) -> str:
 def flags(values: dict) -> list[str]:
     """{name: value} -> ['--name=value'], the form a wandb agent passes too; lists and dicts as JSON."""
 
-    def text(value) -> str:  # fmt: skip
+    def text(value) -> str:
         if isinstance(value, (bool, type(None), list, dict)):
             return json.dumps(value)
         return str(value)
@@ -291,9 +300,15 @@ def objective(trial, space: Space, accelerate_config, train_args: list[str], out
     trial_dir = output_dir / f"trial_{trial.number}"
     group = [] if any(arg.startswith("--run_group") for arg in train_args) else [f"--run_group={study}"]
     command = [
-        *launch_command(accelerate_config), str(REPO / "train.py"), *train_args, *flags(space.fixed),
-        f"--output_dir={trial_dir}", *group, f"--run_name={study}-trial_{trial.number}", *flags(params),
-    ]  # fmt: skip
+        *launch_command(accelerate_config),
+        str(REPO / "train.py"),
+        *train_args,
+        *flags(space.fixed),
+        f"--output_dir={trial_dir}",
+        *group,
+        f"--run_name={study}-trial_{trial.number}",
+        *flags(params),
+    ]
     trial.set_user_attr("output_dir", str(trial_dir))
     print(f"trial {trial.number}: {' '.join(flags(params))}", flush=True)
     started = time.monotonic()
@@ -320,8 +335,10 @@ def objective(trial, space: Space, accelerate_config, train_args: list[str], out
         print(f"trial {trial.number}: failed, exit code {process.returncode}: {reason}", flush=True)
         raise TrialFailed(f"exit code {process.returncode}: {reason}")
     if values.last is None:
-        raise UsageError(f"{space.metric} is never logged in {values.path}; set `metric:` in {space.path} "
-                         f"to an eval key it holds (e.g. eval/loss)")  # fmt: skip
+        raise UsageError(
+            f"{space.metric} is never logged in {values.path}; set `metric:` in {space.path} "
+            f"to an eval key it holds (e.g. eval/loss)"
+        )
     print(f"trial {trial.number}: {space.metric} {values.last:.4g} ({seconds:.0f} s)", flush=True)
     return values.last
 
@@ -386,18 +403,28 @@ def last_error_line(log: Path) -> str:
 def trials_table(study, metric: str) -> str:
     """Every trial of the study (any worker's), as a markdown table, and the best one."""
     names = sorted({name for trial in study.trials for name in trial.params})
-    rows = [f"| trial | state | {metric} | last step | seconds | {' | '.join(names)} |",
-            "| " + " | ".join(["---"] * (5 + len(names))) + " |"]  # fmt: skip
+    rows = [
+        f"| trial | state | {metric} | last step | seconds | {' | '.join(names)} |",
+        "| " + " | ".join(["---"] * (5 + len(names))) + " |",
+    ]
     for trial in study.trials:
         value = trial.value if trial.value is not None else trial.intermediate_values.get(trial.last_step)
         seconds = (trial.datetime_complete - trial.datetime_start).total_seconds() if trial.datetime_complete else None
-        cells = [trial.number, trial.state.name, value, trial.last_step, seconds,
-                 *(trial.params.get(name) for name in names)]  # fmt: skip
+        cells = [
+            trial.number,
+            trial.state.name,
+            value,
+            trial.last_step,
+            seconds,
+            *(trial.params.get(name) for name in names),
+        ]
         rows.append("| " + " | ".join(cell_text(cell) for cell in cells) + " |")
     try:
         best = study.best_trial
-        rows.append(f"\nbest: trial {best.number}, {metric} {best.value:.4g}: {' '.join(flags(best.params))} "
-                    f"(run: {best.user_attrs.get('output_dir')})")  # fmt: skip
+        rows.append(
+            f"\nbest: trial {best.number}, {metric} {best.value:.4g}: {' '.join(flags(best.params))} "
+            f"(run: {best.user_attrs.get('output_dir')})"
+        )
     except ValueError:
         rows.append("\nno trial has finished yet")
     return "\n".join(rows)
@@ -435,8 +462,13 @@ def plot_trials(study, metric: str, path: Path) -> Path | None:
     complete = [t for t in study.trials if t.state == TrialState.COMPLETE]
     pruned = [t for t in study.trials if t.state == TrialState.PRUNED and t.intermediate_values]
     history.plot([t.number for t in complete], [t.value for t in complete], "o", label="complete")
-    history.plot([t.number for t in pruned], [t.intermediate_values[t.last_step] for t in pruned], "x", color="gray",
-                 label="pruned (its last value)")  # fmt: skip
+    history.plot(
+        [t.number for t in pruned],
+        [t.intermediate_values[t.last_step] for t in pruned],
+        "x",
+        color="gray",
+        label="pruned (its last value)",
+    )
     better = max if study.direction.name == "MAXIMIZE" else min
     best_so_far = [better(t.value for t in complete[: i + 1]) for i in range(len(complete))]
     history.step([t.number for t in complete], best_so_far, where="post", label="best so far")

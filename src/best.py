@@ -44,8 +44,13 @@ class BestEvaluation:
                 state.evals_without_improvement += 1
                 stop = state.evals_without_improvement >= self.patience
         if stop:
-            logger.info("early stopping at step %d: %s has not improved on %.4g for %d evaluations",
-                        step, self.stop_metric, state.best_metric, self.patience)  # fmt: skip
+            logger.info(
+                "early stopping at step %d: %s has not improved on %.4g for %d evaluations",
+                step,
+                self.stop_metric,
+                state.best_metric,
+                self.patience,
+            )
         return new_best, stop
 
     def summary(self) -> dict:

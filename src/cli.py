@@ -47,8 +47,10 @@ def parse_config(argv: list[str] | None) -> TrainConfig:
 def build_parser(name: str, task_cls):
     clash = {f.name for f in dataclasses.fields(TrainConfig)} & {f.name for f in dataclasses.fields(task_cls.Options)}
     if clash:
-        raise UsageError(f"{task_cls.__name__}.Options fields {', '.join(sorted(clash))} clash with TrainConfig "
-                         "fields of the same name; rename them in the task")  # fmt: skip
+        raise UsageError(
+            f"{task_cls.__name__}.Options fields {', '.join(sorted(clash))} clash with TrainConfig "
+            "fields of the same name; rename them in the task"
+        )
     parser = ArgumentParser(
         description="Train a model with Hugging Face Accelerate.", exit_on_error=False, allow_abbrev=False
     )

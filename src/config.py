@@ -122,11 +122,17 @@ class TrainConfig:
                 "dataloader_num_workers",
                 "save_steps",
                 "profile_steps",
-            )  # fmt: skip
+            )
             if getattr(self, name) < 0
         ]
-        for name in ("global_batch_size", "save_total_limit", "max_train_samples", "max_eval_samples",
-                     "max_predict_samples", "early_stopping_patience"):  # fmt: skip
+        for name in (
+            "global_batch_size",
+            "save_total_limit",
+            "max_train_samples",
+            "max_eval_samples",
+            "max_predict_samples",
+            "early_stopping_patience",
+        ):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 problems.append(f"--{name} must be > 0 or null (got {getattr(self, name)})")
         if self.max_steps == 0 or self.max_steps < -1:
@@ -149,8 +155,11 @@ class TrainConfig:
             self.metric_for_best_model = f"eval/{self.metric_for_best_model}"  # "accuracy", as transformers names it
         if self.metric_for_best_model and self.greater_is_better is None:
             self.greater_is_better = not self.metric_for_best_model.endswith(("loss", "perplexity"))
-        needs_eval = [name for name in ("metric_for_best_model", "load_best_model_at_end", "early_stopping_patience")
-                      if getattr(self, name)]  # fmt: skip
+        needs_eval = [
+            name
+            for name in ("metric_for_best_model", "load_best_model_at_end", "early_stopping_patience")
+            if getattr(self, name)
+        ]
         if needs_eval and not (self.do_train and self.do_eval):
             return [f"--{needs_eval[0]} needs evaluations during training: set --do_train true --do_eval true"]
         return []

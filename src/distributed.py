@@ -63,8 +63,8 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
             dataloader_config=DataLoaderConfiguration(
                 use_seedable_sampler=True, non_blocking=not use_cpu, dispatch_batches=False
             ),
-            # on the CPU everything already is where it runs; placement would only re-check each batch (~1% of the
-            # benchmark's tiny model step, in an A/B of the data loader alone)
+            # on the CPU everything already is where it runs; placement would only re-check each batch
+            # (docs/benchmark.md)
             device_placement=not use_cpu,
             **strategy_options,
             **options,

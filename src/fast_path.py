@@ -43,7 +43,7 @@ class TensorRows(TensorDataset):
     """A TensorDataset that gathers a batch: each tensor's rows at `indices`, as default_collate stacks them."""
 
     def gather(self, indices: torch.Tensor) -> list[torch.Tensor]:
-        return [tensor.index_select(0, indices) for tensor in self.tensors]  # index_select: half of t[indices]
+        return [tensor.index_select(0, indices) for tensor in self.tensors]  # index_select: cheaper than t[indices]
 
     def to(self, device: torch.device) -> "TensorRows":
         return TensorRows(*(tensor.to(device) for tensor in self.tensors))
@@ -83,13 +83,12 @@ def gatherable(dataset: Dataset) -> Gatherable | None:
 class EpochOrder:
     """This process's sample indices for an epoch, in one tensor: those the prepared loader's batch sampler yields.
 
-    Drawn from the batch sampler they cost ~0.1 us a sample in Python generators: on the benchmark's tiny model
-    the template ran at 0.95x the raw index loop drawing them, 1.01x with them precomputed (medians of 5 rounds).
-    Computed, an epoch costs one randperm and one gather: a batch sampler, Accelerate's sharding and padding
-    included, arranges the *positions* of its sampler's sequence the same way every epoch, so the positions are read
-    once from epoch 0 and an epoch's indices are its sequence at those positions. The sequence is computed for the
-    samplers whose order is known (`known_sequence`) and checked against the batch sampler on a second epoch at the
-    start; any other sampler, or a failed check, is drawn from as before.
+    Drawing them from the batch sampler costs Python generator steps per sample (docs/benchmark.md). Computed, an
+    epoch costs one randperm and one gather: a batch sampler, Accelerate's sharding and padding included, arranges
+    the *positions* of its sampler's sequence the same way every epoch, so the positions are read once from epoch 0
+    and an epoch's indices are its sequence at those positions. The sequence is computed for the samplers whose
+    order is known (`known_sequence`) and checked against the batch sampler on a second epoch at the start; any
+    other sampler, or a failed check, is drawn from.
     """
 
     def __init__(self, loader: DataLoader):
@@ -134,17 +133,18 @@ def known_sequence(sampler, epoch: int) -> torch.Tensor | None:
 
 
 def flatten(batches: list[list[int]]) -> torch.Tensor:
-    return torch.from_numpy(np.fromiter(chain.from_iterable(batches), dtype=np.int64))  # 1/8 of torch.tensor's time
+    return torch.from_numpy(np.fromiter(chain.from_iterable(batches), dtype=np.int64))  # cheaper than torch.tensor
 
 
 class IndexBatches:
     """The same batches as `LoaderBatches`, each one gather by the indices of the prepared loader's batch sampler
     (the seedable sampler, sharded across processes by Accelerate: the same order, shards and padding; `EpochOrder`).
 
-    A DataLoader batch of 64 small samples costs ~0.5 ms of per-sample calls and stacking on a CPU, about what a
-    tiny model's whole step costs; a gather costs ~10 us. On a GPU, rows that take at most a quarter of its free
-    memory are moved there once. (The DataLoader also draws a worker seed from torch's global RNG for each epoch's
-    iterator; this path does not, so a model with dropout draws other masks here than through the DataLoader.)
+    A DataLoader batch of small samples costs per-sample calls and stacking on a CPU, about what a tiny model's
+    whole step costs; a gather costs a small fraction of it (docs/benchmark.md). On a GPU, rows that take at most a
+    quarter of its free memory are moved there once. (The DataLoader also draws a worker seed from torch's global
+    RNG for each epoch's iterator; this path does not, so a model with dropout draws other masks here than through
+    the DataLoader.)
     """
 
     def __init__(self, loader: DataLoader, dataset: Gatherable, device: torch.device):
@@ -174,9 +174,9 @@ def train_data(accelerator, loader: DataLoader, config: TrainConfig, collate_fn)
 
 def keep_freed_host_memory() -> None:
     """On the CPU, stop glibc's malloc from giving each step's freed activations back to the OS, only to page-fault
-    them in again at the next step: 0-1,240 minor faults per step of the digits CNN here (measured), a count that
-    differs from process to process and moved the same loop's speed by 20%. Fixed thresholds stop it: blocks under
-    32 MB come from the heap (glibc's default starts at 128 KB and moves), and up to 1 GB free at its top is kept.
+    them in again at the next step: page faults whose count differs from process to process and moves the speed of
+    the same loop (docs/benchmark.md). Fixed thresholds stop it: blocks under 32 MB come from the heap (glibc's
+    default starts at 128 KB and moves), and up to 1 GB free at its top is kept.
     Peak memory is unchanged; memory freed after the peak may stay with the process. glibc only, and not when
     GLIBC_TUNABLES sets malloc options (yours win)."""
     import ctypes
@@ -212,7 +212,7 @@ class DirectOptimizer:
 
     def accumulate(self, model: nn.Module):
         """`accelerator.accumulate(model)`; without accumulation every batch is a step and the context would do
-        nothing but cost ~19 us per step (measured), so it is skipped then."""
+        nothing but cost time (docs/benchmark.md), so it is skipped then."""
         if self.accumulation > 1:
             return self.accelerator.accumulate(model)
         return contextlib.nullcontext()

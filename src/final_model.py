@@ -25,8 +25,10 @@ def load_weights(model, path: str) -> None:
         load_checkpoint_in_model(model, str(folder), strict=True)
     except (ValueError, RuntimeError, OSError) as err:
         message = " ".join(str(err).split())[:300]
-        raise UsageError(f"--model_name_or_path {path} does not hold weights for this model "
-                         f"(same --task and options as when it was trained?): {message}") from err  # fmt: skip
+        raise UsageError(
+            f"--model_name_or_path {path} does not hold weights for this model "
+            f"(same --task and options as when it was trained?): {message}"
+        ) from err
 
 
 def saved_model_dir(path: str) -> Path:

@@ -29,7 +29,7 @@ def load_metrics(names: list[str]):
 
 
 def import_evaluate():
-    """`import evaluate` without importing transformers, ~0.7 s of CPU here (and most of torch._dynamo): evaluate
+    """`import evaluate` without importing transformers (most of a second of CPU, docs/benchmark.md): evaluate
     imports it, if it can, only for its pipeline `evaluator`s, which metrics do not use. A None in sys.modules makes
     that optional import fail for the moment of the import; a task that uses transformers has loaded it already."""
     if "transformers" in sys.modules:

@@ -14,8 +14,8 @@ class PreemptionSignals:
     starts an all-reduce of the flag, in the background on a CPU (gloo) group, and reads the one started `every`
     steps earlier: every process sees the same sum at the same step and no step waits for the network or the GPU.
     On GPUs that is every step (the checkpoint comes one step after the signal). When the processes train on the CPU,
-    gloo's background work takes cores from training (5-10% of a 2-process step on 2 cores, measured with
-    scripts/benchmark.py), so they agree every 10 steps. One process needs no agreement and no collective.
+    gloo's background work takes cores from training (docs/resume.md), so they agree every 10 steps. One process
+    needs no agreement and no collective.
     """
 
     CPU_EVERY = 10

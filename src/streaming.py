@@ -24,15 +24,14 @@ from pathlib import Path
 from torch.utils.data import IterableDataset
 
 from src.config import TrainConfig
+from src.data import FILE_BUILDERS, missing_split
 from src.errors import UsageError
+from src.hub import check_hub_repo
 
 
 def load_stream(config: TrainConfig, split: str):
     """One split as a `datasets` IterableDataset: local files (glob patterns allowed) or a Hub dataset."""
     import datasets
-
-    from src.data import FILE_BUILDERS, missing_split
-    from src.hub import check_hub_repo
 
     datasets.disable_progress_bars()
     if config.dataset_name:

@@ -155,3 +155,33 @@ def test_hub_dataset_unreachable_asks_once_with_a_timeout(monkeypatch, tmp_path)
     assert str(info.value).startswith(
         "cannot reach the Hugging Face Hub for dataset 'someone/never-cached-dataset' (ConnectError); "
     )
+
+
+class Epochs:
+    """A stand-in for LoaderBatches: epoch e holds the batches (e, 0), (e, 1), ... (`size` of them)."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def epoch(self, epoch: int, skip: int = 0):
+        return iter([(epoch, i) for i in range(skip, self.size)])
+
+
+def test_train_windows_are_whole_accumulation_windows_epoch_after_epoch():
+    from itertools import islice
+
+    from src.data import DataPosition, train_windows
+
+    position = DataPosition()
+    windows = list(islice(train_windows(Epochs(5), 2, position), 5))  # 5 batches: 2 windows an epoch, 1 left over
+    assert windows == [[(0, 0), (0, 1)], [(0, 2), (0, 3)], [(1, 0), (1, 1)], [(1, 2), (1, 3)], [(2, 0), (2, 1)]]
+    assert (position.epoch, position.steps) == (2, 1)  # counted before the step trains on it: a checkpoint follows
+    resumed = DataPosition(1, 1)  # as a checkpoint after step 3 holds it, or as step 3 gives for 2 steps an epoch
+    assert list(islice(train_windows(Epochs(5), 2, resumed), 2)) == windows[3:5]
+
+
+def test_train_data_smaller_than_one_window_is_a_usage_error():
+    from src.data import DataPosition, train_windows
+
+    with pytest.raises(UsageError, match="fewer samples than one global batch"):
+        next(train_windows(Epochs(1), 2, DataPosition()))

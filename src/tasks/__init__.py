@@ -36,12 +36,17 @@ def task_class(name: str) -> type[Task]:
         if not (inspect.isclass(found) and issubclass(found, Task)):
             raise UsageError(f"--task {name}: {module.__name__} has no Task subclass {path.rpartition('.')[2]!r}")
         return found
-    defined = [c for _, c in inspect.getmembers(module, inspect.isclass)
-               if issubclass(c, Task) and c.__module__ == module.__name__]  # fmt: skip
+    defined = [
+        c
+        for _, c in inspect.getmembers(module, inspect.isclass)
+        if issubclass(c, Task) and c.__module__ == module.__name__
+    ]
     if len(defined) != 1:
         names = ", ".join(f"{path}.{c.__name__}" for c in defined) or "none"
-        raise UsageError(f"--task {name}: the module must define exactly one Task subclass (found {names}); "
-                         "name the class, e.g. --task my_package.my_task.MyTask")  # fmt: skip
+        raise UsageError(
+            f"--task {name}: the module must define exactly one Task subclass (found {names}); "
+            "name the class, e.g. --task my_package.my_task.MyTask"
+        )
     return defined[0]
 
 

@@ -106,8 +106,10 @@ class Task:
         """`--streaming`: the train split as an IterableDataset of samples like build_datasets()' train items, with
         `set_epoch(epoch)`; e.g. `SampleStream(load_stream(self.config, split).map(...).shuffle(seed, buffer))`
         (src/streaming.py). Its memory must not grow with the data: nothing is read before iteration."""
-        raise UsageError(f"--task {type(self).__name__} cannot stream its data: it has no build_train_stream(); "
-                         "use --streaming false, or implement it (src/tasks/causal_lm.py has an example)")  # fmt: skip
+        raise UsageError(
+            f"--task {type(self).__name__} cannot stream its data: it has no build_train_stream(); "
+            "use --streaming false, or implement it (src/tasks/causal_lm.py has an example)"
+        )
 
     def load_model(self, path: str) -> nn.Module:
         """`--model_name_or_path`: build_model() with the weights save_model() wrote (a run's model/ folder) or a

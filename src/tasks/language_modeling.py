@@ -73,14 +73,18 @@ class LanguageModeling(HuggingFaceTask):
         mask), so that every batch has one shape and generation continues right after the text."""
         length = self.block_size - self.options.max_new_tokens
         if length < 1:
-            raise UsageError(f"--max_new_tokens {self.options.max_new_tokens} leaves no room for a prompt in "
-                             f"--block_size {self.block_size}")  # fmt: skip
+            raise UsageError(
+                f"--max_new_tokens {self.options.max_new_tokens} leaves no room for a prompt in "
+                f"--block_size {self.block_size}"
+            )
         pad = self.tokenizer.pad_token_id
 
         def encode(rows: dict) -> dict:
             tails = [ids[-length:] for ids in self.tokenizer(rows[self.options.text_column])["input_ids"]]
-            return {"input_ids": [[pad] * (length - len(ids)) + ids for ids in tails],
-                    "attention_mask": [[0] * (length - len(ids)) + [1] * len(ids) for ids in tails]}  # fmt: skip
+            return {
+                "input_ids": [[pad] * (length - len(ids)) + ids for ids in tails],
+                "attention_mask": [[0] * (length - len(ids)) + [1] * len(ids) for ids in tails],
+            }
 
         return split.map(encode, batched=True, remove_columns=split.column_names, desc="tokenizing prompts")
 
@@ -90,18 +94,24 @@ class LanguageModeling(HuggingFaceTask):
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.transformers_config = self.model_config()
         positions = self.transformers_config.to_dict()
-        limit = min(self.tokenizer.model_max_length, positions.get("n_positions") or
-                    positions.get("max_position_embeddings") or 1024)  # fmt: skip
+        limit = min(
+            self.tokenizer.model_max_length,
+            positions.get("n_positions") or positions.get("max_position_embeddings") or 1024,
+        )
         if self.options.block_size and self.options.block_size > limit:
-            raise UsageError(f"--block_size {self.options.block_size} exceeds what the model and tokenizer take "
-                             f"({limit} positions); use --block_size {limit} or less")  # fmt: skip
+            raise UsageError(
+                f"--block_size {self.options.block_size} exceeds what the model and tokenizer take "
+                f"({limit} positions); use --block_size {limit} or less"
+            )
         self.block_size = self.options.block_size or min(limit, 1024)
 
     def tokenize(self, split):
         blocks = split.map(self.encode, batched=True, remove_columns=split.column_names, desc="tokenizing")
         if len(blocks) == 0:
-            raise UsageError(f"the {split.split or ''} split has no sample of 2 or more tokens; use more text, "
-                             "or a smaller --block_size")  # fmt: skip
+            raise UsageError(
+                f"the {split.split or ''} split has no sample of 2 or more tokens; use more text, "
+                "or a smaller --block_size"
+            )
         return blocks
 
     def encode(self, rows: dict) -> dict:
@@ -109,8 +119,10 @@ class LanguageModeling(HuggingFaceTask):
         column, block_size = self.options.text_column, self.block_size
         if not self.options.packing:
             encoded = self.tokenizer(rows[column], truncation=True, max_length=block_size)
-            return {k: [v for v, ids in zip(values, encoded["input_ids"], strict=True) if len(ids) > 1]
-                    for k, values in encoded.items()}  # fmt: skip
+            return {
+                k: [v for v, ids in zip(values, encoded["input_ids"], strict=True) if len(ids) > 1]
+                for k, values in encoded.items()
+            }
         ids = list(chain.from_iterable(self.tokenizer(rows[column])["input_ids"]))
         usable = len(ids) // block_size * block_size  # the remainder of each map batch is dropped, as in run_clm
         return {"input_ids": [ids[i : i + block_size] for i in range(0, usable, block_size)]}
@@ -141,8 +153,9 @@ class LanguageModeling(HuggingFaceTask):
         """(batch, time - 1) next-token losses and the mask of the tokens that count (not padding)."""
         logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
         targets = batch["labels"][:, 1:]
-        losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE,
-                                 reduction="none")  # fmt: skip
+        losses = F.cross_entropy(
+            logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="none"
+        )
         return losses.view_as(targets), targets != IGNORE
 
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
@@ -163,9 +176,13 @@ class LanguageModeling(HuggingFaceTask):
         from accelerate.utils import extract_model_from_parallel
 
         generator = extract_model_from_parallel(model)  # DDP's wrapper has no generate()
-        output = generator.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                    max_new_tokens=new_tokens, do_sample=False,
-                                    pad_token_id=self.tokenizer.pad_token_id)  # fmt: skip
+        output = generator.generate(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=self.tokenizer.pad_token_id,
+        )
         generated = output[:, batch["input_ids"].shape[1] :]
         return {"generated": F.pad(generated, (0, new_tokens - generated.shape[1]), value=self.tokenizer.pad_token_id)}
 

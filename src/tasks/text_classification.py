@@ -64,8 +64,10 @@ class TextClassification(HuggingFaceTask):
         if labelled:  # labels compared as text: a reloaded model's label map holds strings
             unknown = {str(label) for label in split.unique(options.label_column)} - set(label_ids)
             if unknown:
-                raise UsageError(f"the {split.split or ''} split has labels the model does not know: "
-                                 f"{sorted(unknown)[:5]} (it knows {', '.join(label_ids)})")  # fmt: skip
+                raise UsageError(
+                    f"the {split.split or ''} split has labels the model does not know: "
+                    f"{sorted(unknown)[:5]} (it knows {', '.join(label_ids)})"
+                )
 
         def encode(rows: dict) -> dict:
             pairs = rows[options.text_pair_column] if options.text_pair_column else None
