@@ -77,14 +77,9 @@ def main(args: list[str] | TrainConfig | None = None) -> dict:
         return per_device
 
     @find_executable_batch_size(starting_batch_size=first, reduce_batch_size_fn=halve)
-    def train_with(batch_size: int) -> dict:  # a retry replaces what the attempt that ran out of memory wrote
-        return train(
-            replace(
-                config,
-                per_device_train_batch_size=batch_size,
-                overwrite_output_dir=config.overwrite_output_dir or batch_size != first,
-            )
-        )
+    def train_with(batch_size: int) -> dict:
+        overwrite = config.overwrite_output_dir or batch_size != first  # a retry replaces what the failed one wrote
+        return train(replace(config, per_device_train_batch_size=batch_size, overwrite_output_dir=overwrite))
 
     return train_with()
 
