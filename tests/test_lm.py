@@ -17,11 +17,7 @@ LM = ["--config", "configs/lm.yaml"]
 STDLIB = REPO / "data" / "stdlib"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def stdlib_text():
-    """data/stdlib/{train,eval}.parquet, built once (a second or two) where missing; git-ignored."""
-    if not all((STDLIB / f"{split}.parquet").is_file() for split in ("train", "eval")):
-        assert_ok(run_python("scripts/prepare_text.py"))
+pytestmark = pytest.mark.usefixtures("stdlib_text")  # data/stdlib, built where missing (tests/conftest.py)
 
 
 # --- end to end through train.py ---

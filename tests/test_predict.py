@@ -236,6 +236,7 @@ def test_best_model_needs_eval_and_parses_transformers_names():
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("stdlib_text")  # configs/lm.yaml's data/stdlib
 def test_tabular_and_causal_lm_models_evaluate_alone_as_at_the_end_of_training(tmp_path):
     """The tabular model carries its standardisation; the GPT's tied embedding reloads."""
     table = tmp_path / "table.csv"
@@ -287,6 +288,7 @@ def test_readme_use_your_trained_model_commands_run(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("stdlib_text")  # configs/lm.yaml's data/stdlib
 def test_byte_language_model_generates_the_same_text_on_1_and_3_processes(tmp_path):
     """causal_lm --do_predict: greedy bytes after each of 5 prompts, left-padded to one length; rows in order."""
     args = ["--task", "causal_lm", "--config", "configs/lm.yaml", "--n_layer", "1", "--n_embd", "32",
