@@ -194,3 +194,13 @@ def stdlib_text(request) -> Path:
         if not all((STDLIB / f"{split}.parquet").is_file() for split in ("train", "eval")):
             assert_ok(run_python("scripts/prepare_text.py"))
     return STDLIB
+
+
+@pytest.fixture(scope="session")
+def default_run(request) -> Path:
+    """`python train.py`: the default digits example as the Quickstart runs it, trained once per test run for the
+    tests that only read it (tests/test_train.py; tests/test_predict.py copies it as the Quickstart's runs/digits)."""
+    with built_once(request, "default_run") as (folder, missing):
+        if missing:
+            assert_ok(run_train("--output_dir", str(folder / "run")))
+    return folder / "run"
