@@ -1,5 +1,6 @@
 """Helpers to run train.py as a user would: `python train.py` or `accelerate launch` with N CPU processes."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -46,8 +47,9 @@ def run_python(*args: str, **kwargs) -> subprocess.CompletedProcess:
 
 
 def run_command(command: list[str], env: dict | None = None, timeout: float = 300, cwd: Path = REPO, **kwargs):
-    """Offline, one thread per process, no inherited launcher variables, stdin closed. `env`: None values unset."""
-    base = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    """Offline, one thread per process, no inherited launcher (or pytest-xdist worker) variables, stdin closed.
+    `env`: None values unset."""
+    base = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith("PYTEST_")}
     full_env = {**base, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", **(env or {})}
     full_env = {k: v for k, v in full_env.items() if v is not None}
     return subprocess.run(
@@ -137,14 +139,68 @@ def run_with_hook(
     return run_command([*command, *args], **kwargs)
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (pyproject.toml): one worker per usable core, at most 4. A worker's test may itself start 2 or 3
+    training processes, and files run whole on one worker (--dist loadfile), so more workers mostly add memory."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, 4))
+
+
+@contextlib.contextmanager
+def built_once(request, name: str):
+    """(folder, whether it still has to be built): one folder for the whole test run, shared by pytest-xdist's
+    workers (a file lock makes the others wait for the one that builds it), a fresh one on the next run."""
+    import fcntl
+
+    base = request.getfixturevalue("tmp_path_factory").getbasetemp()
+    shared = base.parent if hasattr(request.config, "workerinput") else base  # a worker's: pytest-N/popen-gwK/
+    folder = shared / name
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = folder / ".built"
+        yield folder, not done.is_file()
+        folder.mkdir(exist_ok=True)
+        done.touch()
+
+
 @pytest.fixture(scope="session")
-def hf_assets(tmp_path_factory) -> dict[str, str]:
+def hf_assets(request) -> dict[str, str]:
     """A tiny BERT and GPT-2 with tokenizers trained here, and a text-classification data set: all offline, built
-    once per test run (tests/test_hf.py, tests/test_sharded.py)."""
+    once per test run, by both scripts with their defaults in an empty folder (tests/test_hf.py, test_sharded.py,
+    test_hf_assets.py, which checks what the defaults make)."""
     pytest.importorskip("transformers")
-    root = tmp_path_factory.mktemp("hf")
-    assert_ok(run_python("scripts/make_tiny_model.py", "--kind", "bert", "--out", str(root / "bert")))
-    assert_ok(run_python("scripts/make_tiny_model.py", "--kind", "gpt2", "--out", str(root / "gpt2")))
-    assert_ok(run_python("scripts/make_text_data.py", "--out", str(root / "text")))
-    data = f"{{train: {root / 'text' / 'train.jsonl'}, eval: {root / 'text' / 'eval.jsonl'}}}"
-    return {"bert": str(root / "bert"), "gpt2": str(root / "gpt2"), "data": data, "eval": str(root / "text/eval.jsonl")}
+    with built_once(request, "hf") as (root, missing):
+        if missing:
+            root.mkdir(exist_ok=True)
+            assert_ok(run_python(str(REPO / "scripts" / "make_tiny_model.py"), cwd=root))
+            assert_ok(run_python(str(REPO / "scripts" / "make_text_data.py"), cwd=root))
+    text = root / "data" / "text"
+    data = f"{{train: {text / 'train.jsonl'}, eval: {text / 'eval.jsonl'}}}"
+    tiny = root / "data" / "tiny"
+    return {"bert": str(tiny / "bert"), "gpt2": str(tiny / "gpt2"), "data": data, "eval": str(text / "eval.jsonl"),
+            "root": str(root / "data")}  # fmt: skip
+
+
+STDLIB = REPO / "data" / "stdlib"
+
+
+@pytest.fixture(scope="session")
+def stdlib_text(request) -> Path:
+    """data/stdlib/{train,eval}.parquet (configs/lm.yaml's data), built once (a second or two) where missing, by one
+    xdist worker while the others wait; git-ignored."""
+    with built_once(request, "stdlib"):
+        if not all((STDLIB / f"{split}.parquet").is_file() for split in ("train", "eval")):
+            assert_ok(run_python("scripts/prepare_text.py"))
+    return STDLIB
+
+
+@pytest.fixture(scope="session")
+def default_run(request) -> Path:
+    """`python train.py`: the default digits example as the Quickstart runs it, trained once per test run for the
+    tests that only read it (tests/test_train.py; tests/test_predict.py copies it as the Quickstart's runs/digits)."""
+    with built_once(request, "default_run") as (folder, missing):
+        if missing:
+            assert_ok(run_train("--output_dir", str(folder / "run")))
+    return folder / "run"

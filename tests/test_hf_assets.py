@@ -5,8 +5,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, assert_ok, run_python
-
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
@@ -21,12 +19,10 @@ LABELS = {"code", "comment", "def"}
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> Path:
-    """Both scripts with their defaults, run in an empty folder: data/tiny/{bert,gpt2} and data/text there."""
-    root = tmp_path_factory.mktemp("assets")
-    assert_ok(run_python(str(REPO / "scripts" / "make_tiny_model.py"), cwd=root))
-    assert_ok(run_python(str(REPO / "scripts" / "make_text_data.py"), cwd=root))
-    return root / "data"
+def assets(hf_assets) -> Path:
+    """Both scripts with their defaults, run in an empty folder: data/tiny/{bert,gpt2} and data/text there (conftest's
+    hf_assets, which the other Hugging Face tests use, is what they made)."""
+    return Path(hf_assets["root"])
 
 
 def read_jsonl(path: Path) -> list[dict]:

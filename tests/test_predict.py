@@ -3,6 +3,7 @@ in input order on any process count, and the best model kept (metric_for_best_mo
 
 import json
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -239,6 +240,7 @@ def test_best_model_needs_eval_and_parses_transformers_names():
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("stdlib_text")  # configs/lm.yaml's data/stdlib
 def test_tabular_and_causal_lm_models_evaluate_alone_as_at_the_end_of_training(tmp_path):
     """The tabular model carries its standardisation; the GPT's tied embedding reloads."""
     table = tmp_path / "table.csv"
@@ -271,14 +273,14 @@ def test_tabular_and_causal_lm_models_evaluate_alone_as_at_the_end_of_training(t
 
 
 @pytest.mark.slow
-def test_readme_use_your_trained_model_commands_run(tmp_path):
+def test_readme_use_your_trained_model_commands_run(tmp_path, default_run):
     """The README section's commands verbatim, in a folder that links to the repository's code and data, so their
-    runs/ is a fresh one (after the Quickstart's run, which they start from)."""
+    runs/ is a fresh one (after the Quickstart's run, which they start from: conftest's default_run, copied)."""
     from scripts.readme_commands import section_commands
 
     for name in ("train.py", "src", "data", "configs", "accelerate_configs", "scripts"):
         (tmp_path / name).symlink_to(REPO / name)
-    assert_ok(run_train("--output_dir", str(tmp_path / "runs" / "digits")))  # the Quickstart's run
+    shutil.copytree(default_run, tmp_path / "runs" / "digits")  # the Quickstart's run
     for command in section_commands("Use your trained model", page="docs/predict.md"):
         words = shlex.split(command)
         words[0] = sys.executable if words[0] == "python" else words[0]
@@ -290,6 +292,7 @@ def test_readme_use_your_trained_model_commands_run(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("stdlib_text")  # configs/lm.yaml's data/stdlib
 def test_byte_language_model_generates_the_same_text_on_1_and_3_processes(tmp_path):
     """causal_lm --do_predict: greedy bytes after each of 5 prompts, left-padded to one length; rows in order."""
     args = ["--task", "causal_lm", "--config", "configs/lm.yaml", "--n_layer", "1", "--n_embd", "32",

@@ -10,9 +10,8 @@ from tests.conftest import QUICK, assert_ok, read_metrics, run_train, series
 
 
 @pytest.mark.slow
-def test_default_example_reaches_95_percent(out):
-    result = run_train("--output_dir", str(out))
-    assert_ok(result)
+def test_default_example_reaches_95_percent(default_run):
+    out = default_run  # `python train.py`, trained once per test run (tests/conftest.py)
     rows = read_metrics(out)
     final = rows[-1]
     assert final["eval/accuracy"] >= 0.95, final
