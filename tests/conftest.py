@@ -105,6 +105,8 @@ import train
 import src.checkpoint
 from src.errors import command_line
 
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal starts it: a pytest-xdist worker ignores it
+
 def at_step(step, metrics):
     {hook}
 
