@@ -3,8 +3,8 @@
 A checkpoint is `output_dir/checkpoints/step_<N>/`: `accelerator.save_state` (model, optimiser, LR scheduler,
 every process's RNG states) plus `trainer_state.json` (step, partial loss window, batch geometry, tracker run id)
 and the resolved `config.yaml`. It is written under a temporary name and renamed when complete, so a kill during
-a write never leaves a "latest" that fails to load. The position in the data needs no saving: with the seedable
-sampler it follows from the step (epoch = step // steps_per_epoch, then skip the batches already seen).
+a write never leaves a "latest" that fails to load. For data of known length the position in the data needs no
+saving: with the seedable sampler it follows from the step (src/data.py's `DataPosition`); a stream's is saved.
 """
 
 import json

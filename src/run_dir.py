@@ -16,29 +16,17 @@ logger = logging.getLogger(__name__)
 
 # What a run writes into output_dir, each name spelled once here; --overwrite_output_dir removes exactly these.
 CONFIG_FILE = "config.yaml"
-
 METRICS_FILE = "metrics.jsonl"
-
 CHECKPOINTS_DIR = "checkpoints"
-
 MODEL_DIR = "model"
-
 EVAL_RESULTS_FILE = "eval_results.json"  # the final eval (and test) metrics, also of a run without training
-
 PREDICTIONS_FILE = "predictions.jsonl"  # --do_predict: one row per sample of the predicted split, in input order
-
 MLFLOW_STORE = "mlflow.db"  # --report_to mlflow without MLFLOW_TRACKING_URI: the run's local store (src/tracking.py)
-
 DVCLIVE_DIR = "dvclive"
-
 TRACKER_FILES = ("wandb", MLFLOW_STORE, DVCLIVE_DIR)  # trackers' local files (tensorboard's: output_dir/project_name)
-
 RUN_FILES = (METRICS_FILE, CONFIG_FILE, CHECKPOINTS_DIR, MODEL_DIR, EVAL_RESULTS_FILE, PREDICTIONS_FILE)
-
 RUN_ARTIFACTS = (*RUN_FILES, *TRACKER_FILES)
-
 STATE_FILE = "trainer_state.json"
-
 TMP_PREFIX = ".tmp_"
 
 
