@@ -34,6 +34,7 @@ from src.data import (
     build_loaders,
     build_predict_loader,
     build_test_loader,
+    global_batch,
     predicted_split,
     train_windows,
 )
@@ -138,7 +139,7 @@ def train(config: TrainConfig) -> dict:
     accelerator, task, model, metric, eval_loader = run.accelerator, run.task, run.model, run.metric, run.eval_loader
     optimizer = DirectOptimizer(accelerator, model, run.optimizer, run.torch_optimizer)  # see src/fast_path.py
     accumulation = accelerator.gradient_accumulation_steps
-    global_batch = config.per_device_train_batch_size * accelerator.num_processes * accumulation
+    batch = global_batch(config, accelerator)  # the same on any process count
 
     # --- how long: counted in optimiser steps, each seeing the same global batch on any process count ---
     steps_per_epoch = None if config.streaming else len(run.train_loader) // accumulation  # a stream has no length
@@ -150,7 +151,7 @@ def train(config: TrainConfig) -> dict:
         accelerator.register_for_checkpointing(position)
 
     # --- resume: weights, optimiser, scheduler and RNG from the checkpoint ---
-    state = TrainerState(global_batch=global_batch, world_size=accelerator.num_processes, strategy=strategy_of(model))
+    state = TrainerState(global_batch=batch, world_size=accelerator.num_processes, strategy=strategy_of(model))
     state, resumed = resume(accelerator, config, state)  # --resume_from_checkpoint: the checkpoint's state
     if steps_per_epoch:  # data of known length: the position follows from the step
         position = DataPosition(*divmod(state.step, steps_per_epoch))
@@ -158,7 +159,7 @@ def train(config: TrainConfig) -> dict:
     # --- the run directory and trackers: only now that all input has been validated ---
     prepare_output_dir(accelerator, config, resume_step=state.step if resumed else None)
     state.tracker_run_id = start_tracking(accelerator, config, resume_run_id=state.tracker_run_id)
-    log_metrics(accelerator, setup_metrics(accelerator, model, config, global_batch), step=state.step)
+    log_metrics(accelerator, setup_metrics(accelerator, model, config, batch), step=state.step)
 
     # --- train ---
     step, eval_metrics = state.step, {}  # eval_metrics: the latest evaluation's
@@ -168,13 +169,15 @@ def train(config: TrainConfig) -> dict:
     export = partial(task.save_model, accelerator, run.saved_model) if task.export_checkpoints else None
     data = train_data(accelerator, run.train_loader, config, task.collate_fn())  # by index where it can
     windows = train_windows(data, accumulation, position) if step < total_steps else []  # [] for a finished run
+    norm_every_step = bool(config.max_grad_norm or config.skip_nonfinite_batches)  # else at log steps only
     profiler.start()
     model.train()
     # SIGTERM/SIGUSR1 -> checkpoint (handlers restored however we leave); an error in the task's code -> one line
     with PreemptionSignals(accelerator) as preemption, task_errors(task):
         for window in windows:
             log_now = (step + 1) % config.logging_steps == 0 or step + 1 == total_steps
-            grad_norm = train_step(accelerator, task, model, optimizer, window, meters, config, measure_norm=log_now)
+            measure_norm = norm_every_step or log_now
+            grad_norm = train_step(accelerator, task, model, optimizer, window, meters, config, measure_norm)
             lr_scheduler.step()
             step += 1
             progress.update()
@@ -209,15 +212,14 @@ def train(config: TrainConfig) -> dict:
 
 def train_step(accelerator, task, model, optimizer, window, meters: TrainMeters, config: TrainConfig, measure_norm):
     """One optimiser step over a whole accumulation window: forward and backward per micro-batch (gradients sync on
-    the last), then clip and step. Returns the gradient norm, measured with --max_grad_norm or
-    --skip_nonfinite_batches and at log steps (`measure_norm`), else None."""
+    the last), then clip and step. Returns the gradient norm when `measure_norm` (with --max_grad_norm or
+    --skip_nonfinite_batches, and at log steps), else None."""
     scale = summed_loss_scale(accelerator, task, window) if task.loss_reduction == "sum" else None  # see its doc
     for batch in window:
         with optimizer.accumulate(model):  # accelerator.accumulate: no gradient sync before the window's last batch
             loss = task.loss(model, batch) if scale is None else task.loss(model, batch) * scale
             optimizer.backward(loss)
         meters.losses.add(loss)
-    measure_norm = measure_norm or bool(config.max_grad_norm or config.skip_nonfinite_batches)
     grad_norm = optimizer.clip_grad_norm(config.max_grad_norm) if measure_norm else None
     if config.skip_nonfinite_batches and not is_finite(grad_norm):  # the same on every process: all-reduced grads
         optimizer.zero_grad()

@@ -121,6 +121,11 @@ def build_dataloaders(train_set: Dataset, eval_set: Dataset, config: TrainConfig
     return train_loader, build_eval_loader(eval_set, config, collate_fn, config.max_eval_samples, pin_memory)
 
 
+def global_batch(config: TrainConfig, accelerator) -> int:
+    """The samples of one optimiser step over all processes: per-device batch x processes x accumulation."""
+    return config.per_device_train_batch_size * accelerator.num_processes * accelerator.gradient_accumulation_steps
+
+
 def build_loaders(task, config: TrainConfig, accelerator, training: bool, pin_memory: bool = False):
     """(train loader, eval loader) before `prepare`: the train loader when training (over the task's stream with
     --streaming), the eval loader when training or evaluating. Data in memory is checked first: at least one global
@@ -129,9 +134,7 @@ def build_loaders(task, config: TrainConfig, accelerator, training: bool, pin_me
         train_set, eval_set = task.build_datasets()
         collate_fn = task.collate_fn()  # after the datasets: e.g. a padding collator needs the tokenizer they loaded
         train_loader, eval_loader = build_dataloaders(train_set, eval_set, config, collate_fn, pin_memory)
-        global_batch = config.per_device_train_batch_size * accelerator.num_processes
-        global_batch *= accelerator.gradient_accumulation_steps
-        check_split_sizes(train_loader, eval_loader, global_batch, accelerator.num_processes)
+        check_split_sizes(train_loader, eval_loader, global_batch(config, accelerator), accelerator.num_processes)
         check_first_batch(train_loader, task)
         return train_loader, eval_loader
     train_loader = build_stream_loader(task, config, pin_memory) if training else None
