@@ -12,6 +12,7 @@ src/fast_path.py. Nothing here asks which process it runs on. Edit this loop fre
 says what must stay for 1 process and N processes to train the same.
 """
 
+import gc
 import json
 import logging
 import math
@@ -47,7 +48,7 @@ from src.distributed import (
 )
 from src.errors import TrainingPreempted, command_line
 from src.fast_path import DirectOptimizer, train_data
-from src.final_model import save_final_model
+from src.final_model import model_to_evaluate, save_final_model
 from src.hub import check_hub_push, push_to_hub
 from src.meters import TrainMeters, step_profiler
 from src.metrics import load_metrics
@@ -261,6 +262,7 @@ def predict(args: list[str] | TrainConfig) -> list[dict]:
 def evaluate_and_predict(config: TrainConfig) -> dict:
     """`--do_train false`: evaluate and/or predict with a saved model (--model_name_or_path, by default the run's
     model/). Reads only the splits it uses; writes only eval_results.json and predictions.jsonl."""
+    config = model_to_evaluate(config)  # a trained run's folder: its own model, never another's results there
     run = set_up(config, training=False)  # no trackers: the results go to eval_results.json
     logger.info("using the model in %s; nothing is trained", config.model_name_or_path)
     with task_errors(run.task):
@@ -340,4 +342,7 @@ def with_ids(rows: list[dict], task, split: str) -> list[dict]:
 
 
 if __name__ == "__main__":
-    command_line(main)()
+    try:
+        command_line(main)()
+    finally:
+        gc.freeze()  # exit without the collector traversing every object torch & co. imported (docs/benchmark.md)

@@ -1,8 +1,12 @@
 """The final model: `output_dir/model/` in the task's format, written from every process's shards, and read back
 (`--model_name_or_path` a run, its model/ or a checkpoint)."""
 
+from dataclasses import replace
 from pathlib import Path
 
+import yaml
+
+from src.config import TrainConfig
 from src.errors import UsageError
 from src.run_dir import CONFIG_FILE, MODEL_DIR, STATE_FILE
 
@@ -39,3 +43,20 @@ def saved_model_dir(path: str) -> Path:
     if (folder / MODEL_DIR).is_dir() and ((folder / STATE_FILE).is_file() or (folder / CONFIG_FILE).is_file()):
         return folder / MODEL_DIR
     return folder
+
+
+def model_to_evaluate(config: TrainConfig) -> TrainConfig:
+    """`--do_train false` into a trained run's folder evaluates that run's model/: also when the run's own
+    config.yaml names the model it started from (`--config runs/x/config.yaml --do_train false`). Any other model's
+    results there are refused, so a run's eval_results.json and predictions are never another model's."""
+    run, model = Path(config.output_dir), config.model_name_or_path
+    if not (run / MODEL_DIR).is_dir() or Path(model).resolve().is_relative_to(run.resolve()):
+        return config  # a fresh folder, or this run's model/, a checkpoint of it, or the run folder itself
+    run_config = run / CONFIG_FILE
+    started_from = yaml.safe_load(run_config.read_text()).get("model_name_or_path") if run_config.is_file() else None
+    if started_from is not None and (model == started_from or Path(model).resolve() == Path(started_from).resolve()):
+        return replace(config, model_name_or_path=str(run / MODEL_DIR))
+    raise UsageError(
+        f"--output_dir {run} holds a trained run: evaluating --model_name_or_path {model} there would replace its "
+        f"results; evaluate the run's own model with --model_name_or_path {run}, or choose another --output_dir"
+    )

@@ -1,5 +1,6 @@
 """Helpers to run train.py as a user would: `python train.py` or `accelerate launch` with N CPU processes."""
 
+import atexit
 import contextlib
 import json
 import os
@@ -8,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.forkserver import ForkServer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,12 +49,37 @@ def run_python(*args: str, **kwargs) -> subprocess.CompletedProcess:
     return run_command([sys.executable, *args], **kwargs)
 
 
-def run_command(command: list[str], env: dict | None = None, timeout: float = 300, cwd: Path = REPO, **kwargs):
-    """Offline, one thread per process, no inherited launcher (or pytest-xdist worker) variables, stdin closed.
-    `env`: None values unset."""
+def command_env(env: dict | None = None) -> dict:
+    """Offline, one thread per process, no inherited launcher (or pytest-xdist worker) variables; `env` on top, its
+    None values unset."""
     base = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith("PYTEST_")}
     full_env = {**base, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", **(env or {})}
-    full_env = {k: v for k, v in full_env.items() if v is not None}
+    return {k: v for k, v in full_env.items() if v is not None}
+
+
+def fork_server() -> ForkServer:
+    """This pytest process's fork server, started with command_env(); started again when that has changed (a test
+    or a library set a variable in os.environ), since the server's imports may have read it."""
+    global _fork_server
+    env = command_env()
+    if _fork_server is None or _fork_server.env != env:
+        if _fork_server is not None:
+            _fork_server.close()
+        else:
+            atexit.register(lambda: _fork_server.close())
+        _fork_server = ForkServer(env)
+    return _fork_server
+
+
+_fork_server: ForkServer | None = None
+
+
+def run_command(command: list[str], env: dict | None = None, timeout: float = 300, cwd: Path = REPO, **kwargs):
+    """Run `command` in `command_env(env)`, stdin closed. A 1-process script run is forked from the fork server
+    (tests/forkserver.py: the same process, without paying the imports again)."""
+    full_env, server = command_env(env), fork_server()
+    if server.accepts(command, full_env, cwd, kwargs):
+        return server.run(command, full_env, cwd, timeout)
     return subprocess.run(
         command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
         **kwargs,

@@ -11,15 +11,16 @@ from tests.conftest import assert_ok, run_python
 
 @pytest.mark.slow
 def test_benchmark_writes_its_report(tmp_path):
+    """One condition of the two (each is the same code with other settings), 2 rounds of the 3 sides."""
     output = tmp_path / "b.json"
     result = run_python("scripts/benchmark.py", "--model", "linear", "--rounds", "2", "--steps", "40",
-                        "--output", str(output))  # fmt: skip
+                        "--conditions", "tuned", "--output", str(output))  # fmt: skip
     assert_ok(result)
     report = json.loads(output.read_text())
     assert report["settings"] == {"model": "linear", "rounds": 2, "steps": 40, "batch": 64, "processes": 1,
-                                  "device": "cpu", "conditions": ["default", "tuned"],
+                                  "device": "cpu", "conditions": ["tuned"],
                                   "max_grad_norm": 1.0}  # fmt: skip
-    assert list(report["conditions"]) == ["default", "tuned"]
+    assert list(report["conditions"]) == ["tuned"]
     for condition, measured in report["conditions"].items():
         runs = {side: measured[side]["runs"] for side in ("raw", "raw_index", "template")}
         for side_runs in runs.values():

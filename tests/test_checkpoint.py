@@ -28,10 +28,13 @@ def train_losses(output_dir):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
+    """Through the DataLoader (`--dataloader_index_batches false`): the runs compared with it batch by index (the
+    default, src/fast_path.py), so each comparison also proves the index path trains as the DataLoader does."""
     runs = {}
     for processes in (1, 2):
         output_dir = tmp_path_factory.mktemp(f"full{processes}") / "run"
-        assert_ok(run_with_hook(output_dir.parent, [*RUN, "--output_dir", str(output_dir)], processes=processes))
+        args = [*RUN, "--output_dir", str(output_dir), "--dataloader_index_batches", "false"]
+        assert_ok(run_with_hook(output_dir.parent, args, processes=processes))
         assert_processes(output_dir, processes)
         runs[processes] = train_losses(output_dir)
     return runs
@@ -40,7 +43,8 @@ def uninterrupted(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("processes", [1, 2])
 def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(tmp_path, uninterrupted, processes):
-    """22 steps per epoch: the kill at step 27 resumes from step_20, in the middle of epoch 0."""
+    """22 steps per epoch: the kill at step 27 resumes from step_20, in the middle of epoch 0; the per-step losses and
+    eval metrics are those of the uninterrupted run through the DataLoader."""
     out = tmp_path / "run"
     args = [*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "latest"]
     killed = run_with_hook(tmp_path, args, signal_at(27), processes=processes)

@@ -4,11 +4,13 @@ training on 1 and 2 processes with padded variable-length batches, and a model/ 
 import json
 import math
 import os
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from tests.conftest import (
     QUICK,
@@ -135,6 +137,23 @@ def test_eval_only_and_predictions_from_a_runs_model_folder(classified, assets, 
     assert len(rows) == len(texts)
     correct = sum(row["prediction"] == text["label"] for row, text in zip(rows, texts, strict=True))
     assert correct / len(texts) == final["eval/accuracy"]  # string labels, in input order
+
+
+@pytest.mark.slow
+def test_eval_only_with_a_runs_own_config_evaluates_the_trained_model(classified, tmp_path):
+    """`--config runs/x/config.yaml --do_train false`: the config names the model the run started from; what is
+    evaluated is the run's trained model/, to the run's final accuracy (the base model would score by chance)."""
+    run = tmp_path / "run"
+    shutil.copytree(classified[1], run)
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    (run / "config.yaml").write_text(yaml.safe_dump({**config, "output_dir": str(run)}))
+    result = run_train("--config", str(run / "config.yaml"), "--do_train", "false")
+    assert_ok(result)
+    assert f"using the model in {run / 'model'}; nothing is trained" in result.stderr
+    final = [row for row in read_metrics(run) if "eval/accuracy" in row][-1]
+    results = json.loads((run / "eval_results.json").read_text())
+    assert results["eval/accuracy"] == final["eval/accuracy"]
+    assert results["eval/loss"] == pytest.approx(final["eval/loss"], abs=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -449,3 +468,33 @@ def test_predictions_after_training_are_predict_only_s_with_the_input_ids(assets
                             "--max_new_tokens", "8", "--data_files", f"{{test: {prompts}}}",
                             "--output_dir", str(alone), processes=count))  # fmt: skip
         assert [json.loads(line) for line in (alone / "predictions.jsonl").read_text().splitlines()] == rows
+
+
+@pytest.mark.parametrize(
+    "overrides, head_dim, message",
+    [
+        ("hidden_size=96", 24, None),  # head_dim follows hidden_size / num_attention_heads, as a new config derives it
+        ("num_attention_heads=8,num_key_value_heads=8", 8, None),
+        ("hidden_size=96,head_dim=32", 32, None),  # said explicitly: kept
+        ("hidden_size=90", None, "hidden_size 90 is not divisible by num_attention_heads 4"),
+        ("num_attention_heads=8", 8, None),  # 4 key/value heads: grouped-query attention
+        ("num_key_value_heads=3", None, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+    ],
+)
+def test_config_overrides_keep_derived_fields_consistent(overrides, head_dim, message):
+    from transformers import LlamaConfig
+
+    from src.errors import UsageError
+    from src.tasks.hf import apply_overrides
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128, num_hidden_layers=1)
+    assert config.head_dim == 16
+    if message is None:
+        apply_overrides(config, overrides)
+        assert config.head_dim == head_dim
+    else:
+        with pytest.raises(UsageError, match=message):
+            apply_overrides(config, overrides)
+    explicit = LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=32)  # not derived: cannot be followed
+    with pytest.raises(UsageError, match="head_dim 32 is not hidden_size / num_attention_heads; set head_dim too"):
+        apply_overrides(explicit, "hidden_size=96")

@@ -1,5 +1,6 @@
 """In-memory data batched by index (src/fast_path.py: IndexBatches) gives the DataLoader's batches: the same samples in
-the same order, the same shards on N processes, the same resume, hence the same per-step losses."""
+the same order, the same shards on N processes, the same resume, hence the same per-step losses (which
+tests/test_checkpoint.py checks end to end: a killed run, resumed on the index path, against the DataLoader's)."""
 
 from types import SimpleNamespace
 
@@ -13,7 +14,6 @@ from src.data import LoaderBatches
 from src.fast_path import EpochOrder, IndexBatches, gatherable, known_sequence
 from src.tasks import build_task
 from src.tasks.causal_lm import TokenBlocks
-from tests.conftest import assert_ok, assert_processes, read_metrics, run_train, run_with_hook, series, signal_at
 
 
 @pytest.fixture(scope="module")
@@ -96,32 +96,3 @@ def test_samples_fetched_one_by_one_are_not_gathered(digits):
 
     assert gatherable(Custom(*digits.tensors)) is None
     assert gatherable(Subset(Custom(*digits.tensors), range(3))) is None
-
-
-RUN = ["--max_steps", "60", "--logging_steps", "1", "--save_steps", "10", "--eval_steps", "25"]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("processes", [1, 2])
-def test_index_path_trains_and_resumes_like_the_dataloader(tmp_path, processes):
-    """22 optimiser steps per epoch: killed at step 27, the index path resumes from step_20, mid-epoch 0, and its
-    per-step losses and eval metrics are those of an uninterrupted run through the DataLoader."""
-    loader_run = tmp_path / "loader"
-    loader_args = [*RUN, "--output_dir", str(loader_run), "--dataloader_index_batches", "false"]
-    assert_ok(run_train(*loader_args, processes=processes))
-    index_run = tmp_path / "index"
-    args = [*RUN, "--output_dir", str(index_run), "--resume_from_checkpoint", "latest"]
-    killed = run_with_hook(tmp_path, args, signal_at(27), processes=processes)
-    assert killed.returncode != 0
-    assert_ok(run_with_hook(tmp_path, args, processes=processes))
-    for run in (loader_run, index_run):
-        assert_processes(run, processes)
-    loader_rows, index_rows = read_metrics(loader_run), read_metrics(index_run)
-    expected, losses = series(loader_rows, "train/loss"), series(index_rows, "train/loss")
-    assert list(losses) == list(expected) == list(range(1, 61))
-    if processes == 1:
-        assert losses == expected  # bit for bit
-    else:
-        assert max(abs(losses[s] - expected[s]) for s in losses) <= 1e-5
-    for key in ("eval/accuracy", "eval/num_samples"):
-        assert series(index_rows, key) == series(loader_rows, key)

@@ -2,6 +2,7 @@
 in input order on any process count, and the best model kept (metric_for_best_model, load_best_model_at_end)."""
 
 import json
+import re
 import shlex
 import shutil
 import sys
@@ -331,3 +332,30 @@ def test_the_trained_model_is_saved_before_predictions_can_fail(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == "error: the ids of this data cannot be read (simulated)"
     assert (out / "model" / "model.safetensors").is_file() and not (out / "predictions.jsonl").exists()
+
+
+def test_eval_only_into_a_trained_run_evaluates_its_own_model_or_refuses(tmp_path):
+    """A trained run's folder as output_dir: its own model/ is what --do_train false evaluates, also when the run's
+    config.yaml names the model it started from; another model's results there are refused before anything runs."""
+    from src.final_model import model_to_evaluate
+    from src.run_dir import CONFIG_FILE, MODEL_DIR
+
+    run, base = tmp_path / "run", tmp_path / "base"
+    (run / MODEL_DIR).mkdir(parents=True)
+    (run / CONFIG_FILE).write_text(f"model_name_or_path: {base}\n")
+    before = sorted(run.rglob("*"))
+
+    def model_for(*flags: str) -> str:
+        return model_to_evaluate(parse_config(["--do_train", "false", "--output_dir", str(run), *flags]))
+
+    assert model_for().model_name_or_path == f"{run}/model"  # the default: the run's own model/
+    checkpoint = str(run / "checkpoints" / "step_10")
+    assert model_for("--model_name_or_path", checkpoint).model_name_or_path == checkpoint  # one of its checkpoints
+    assert model_for("--model_name_or_path", str(base)).model_name_or_path == str(run / MODEL_DIR)  # its start
+    other = tmp_path / "other"
+    message = f"--output_dir {run} holds a trained run: evaluating --model_name_or_path {other} there would replace"
+    with pytest.raises(UsageError, match=re.escape(message)):
+        model_for("--model_name_or_path", str(other))
+    assert sorted(run.rglob("*")) == before
+    fresh = parse_config(["--do_train", "false", "--output_dir", str(tmp_path / "new"), "--model_name_or_path", "x"])
+    assert model_to_evaluate(fresh) is fresh  # a folder without a trained run: any model

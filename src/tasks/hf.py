@@ -91,15 +91,44 @@ def load_config(name: str, overrides: str | None, dropout: float | None, **setti
 
     config = AutoConfig.from_pretrained(name, **settings)
     if overrides:
-        try:
-            config.update_from_string(overrides)
-        except ValueError as err:
-            raise UsageError(f"--config_overrides {overrides!r}: {err}") from err
+        apply_overrides(config, overrides)
     if dropout is not None:
         for key, value in config.to_dict().items():
             if isinstance(value, float) and ("dropout" in key or key.endswith("pdrop")):
                 setattr(config, key, dropout)
     return config
+
+
+def apply_overrides(config, overrides: str) -> None:
+    """`config.update_from_string`, then the fields a config derives from others made consistent: `head_dim` (saved
+    explicitly by Llama-style configs) follows a changed `hidden_size` or `num_attention_heads` when it was derived
+    from them, and is refused when it can't be; the heads must split among the key/value heads."""
+    head_dim, hidden, heads = (getattr(config, key, None) for key in ("head_dim", "hidden_size", "num_attention_heads"))
+    try:
+        config.update_from_string(overrides)
+    except ValueError as err:
+        raise UsageError(f"--config_overrides {overrides!r}: {err}") from err
+    changed = {key.split("=")[0].strip() for key in overrides.split(",")}
+    derived = head_dim is not None and heads and "head_dim" not in changed  # Llama-style: saved, not recomputed
+    if derived and {"hidden_size", "num_attention_heads"} & changed:
+        if head_dim != hidden // heads:
+            raise UsageError(
+                f"--config_overrides {overrides!r}: this config's head_dim {head_dim} is not "
+                f"hidden_size / num_attention_heads; set head_dim too"
+            )
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        if hidden % heads:
+            raise UsageError(
+                f"--config_overrides {overrides!r}: hidden_size {hidden} is not divisible by "
+                f"num_attention_heads {heads}"
+            )
+        config.head_dim = hidden // heads
+    heads, kv_heads = (getattr(config, key, None) for key in ("num_attention_heads", "num_key_value_heads"))
+    if heads and kv_heads and heads % kv_heads:
+        raise UsageError(
+            f"--config_overrides {overrides!r}: num_attention_heads {heads} is not a multiple of "
+            f"num_key_value_heads {kv_heads}; set num_key_value_heads too"
+        )
 
 
 @contextmanager
