@@ -15,6 +15,7 @@ from tests.forkserver import ForkServer
 REPO = Path(__file__).resolve().parents[1]
 
 LAUNCHER_VARIABLES = {"WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_CPU"}
+HARNESS_VARIABLES = {*LAUNCHER_VARIABLES, "TEST_FRESH_PROCESSES"}  # the tests' own: never a run's
 
 # A short run of the default example; tests add their own flags after these.
 QUICK = ["--max_steps", "6", "--logging_steps", "2", "--eval_steps", "1000"]
@@ -52,7 +53,7 @@ def run_python(*args: str, **kwargs) -> subprocess.CompletedProcess:
 def command_env(env: dict | None = None) -> dict:
     """Offline, one thread per process, no inherited launcher (or pytest-xdist worker) variables; `env` on top, its
     None values unset."""
-    base = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith("PYTEST_")}
+    base = {k: v for k, v in os.environ.items() if k not in HARNESS_VARIABLES and not k.startswith("PYTEST_")}
     full_env = {**base, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", **(env or {})}
     return {k: v for k, v in full_env.items() if v is not None}
 

@@ -1,5 +1,5 @@
-"""A fork server for the tests' 1-process runs: `python train.py ...` costs ~4.5 s of imports (torch, torch._dynamo,
-datasets, evaluate, deepspeed) for well under a second of training. One server per pytest worker imports them once;
+"""A fork server for the tests' 1-process runs: a short `python train.py ...` spends most of its time importing torch,
+torch._dynamo, datasets, evaluate and deepspeed, not training. One server per pytest worker imports them once;
 each run is a child forked from it that starts where a fresh `python script.py args` would, with its own pid, cwd,
 environment, stdout/stderr and exit status (signals and SIGKILL included), so tests read it exactly as a
 subprocess. The server never runs torch code, so no thread pool exists at the fork.
@@ -33,10 +33,10 @@ class ForkServer:
 
     def __init__(self, env: dict):
         self.env = env
+        pipe = subprocess.PIPE
         self.server = subprocess.Popen(
-            [sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            env=env, cwd=REPO,
-        )  # fmt: skip
+            [sys.executable, __file__], stdin=pipe, stdout=pipe, stderr=subprocess.DEVNULL, env=env, cwd=REPO
+        )
         self.pending = b""
 
     def accepts(self, command: list[str], env: dict, cwd, options: dict) -> bool:
@@ -134,7 +134,7 @@ def exit_code(stop: SystemExit) -> int:
 
 def exit_as_the_interpreter_does(code: int) -> None:
     """What an exiting interpreter does that a run can see (its threads joined, atexit handlers, output flushed),
-    without tearing down the modules one by one: ~1.5 s with torch loaded, a cost of the tests', not of a run."""
+    without tearing down every module the server imported: that is the tests' cost, not the run's."""
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon:
             thread.join()

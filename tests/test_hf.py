@@ -384,13 +384,16 @@ def test_transformers_is_optional(tmp_path):
 
 
 @pytest.mark.slow
-def test_readme_hugging_face_commands_run_as_written(tmp_path):
-    """The README's offline path, verbatim, in a copy of the repo: make the tiny models and data, train on 2
-    processes, classify with a pipeline from model/, train the language model."""
+def test_readme_hugging_face_commands_run_as_written(tmp_path, assets):
+    """The README's offline path, verbatim, in a copy of the repo: train on 2 processes, classify with a pipeline
+    from model/, train the language model. The first command, which makes the tiny models and data, is the
+    hf_assets fixture's (tests/conftest.py: both scripts with their defaults): its folders are copied in."""
     from scripts.readme_commands import section_commands
     from tests.test_project import copy_of_the_repo
 
     copy = copy_of_the_repo(tmp_path / "repo")
+    for made in ("tiny", "text"):
+        shutil.copytree(Path(assets["root"]) / made, copy / "data" / made)
     shims = tmp_path / "bin"  # `python` and `accelerate launch` as the README writes them, from this interpreter
     shims.mkdir()
     (shims / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')  # a symlink would lose the venv
@@ -399,13 +402,13 @@ def test_readme_hugging_face_commands_run_as_written(tmp_path):
     for shim in shims.iterdir():
         shim.chmod(0o755)
     commands = section_commands("Hugging Face models", page="docs/hugging_face.md")
-    assert len(commands) == 4
+    assert len(commands) == 4 and commands[0] == "python scripts/make_tiny_model.py && python scripts/make_text_data.py"
     results = [
-        run_command(["bash", "-c", c], cwd=copy, env={"PATH": f"{shims}:{os.environ['PATH']}"}) for c in commands
+        run_command(["bash", "-c", c], cwd=copy, env={"PATH": f"{shims}:{os.environ['PATH']}"}) for c in commands[1:]
     ]
     for result in results:
         assert_ok(result)
-    assert "'label': 'comment'" in results[2].stdout  # the pipeline from model/ reads '# a comment' as one
+    assert "'label': 'comment'" in results[1].stdout  # the pipeline from model/ reads '# a comment' as one
     assert_processes(copy / "runs" / "text_classification", 2)
     classified = read_metrics(copy / "runs" / "text_classification")[-1]
     modeled = read_metrics(copy / "runs" / "language_modeling")[-1]
