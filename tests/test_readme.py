@@ -9,6 +9,7 @@ import yaml
 
 from scripts.readme_commands import section_commands
 from tests.conftest import QUICK, REPO, assert_ok, assert_processes, free_port, read_metrics, run_command
+from tests.test_sharded import STRATEGIES
 
 
 def test_quickstart_is_exactly_two_commands_and_ci_runs_them():
@@ -18,8 +19,12 @@ def test_quickstart_is_exactly_two_commands_and_ci_runs_them():
     assert "readme_commands.py quickstart" in (REPO / ".ci/run").read_text()
 
 
+# The sharded strategies' commands are run by tests/test_sharded.py (killed, resumed, checked against one process).
+SHARDED = [f"accelerate launch --config_file accelerate_configs/{name}.yaml train.py" for name in STRATEGIES]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("command", section_commands("Launch on any hardware"))
+@pytest.mark.parametrize("command", [c for c in section_commands("Launch on any hardware") if c not in SHARDED])
 def test_launch_command_runs(command, tmp_path):
     if "single_gpu" in command and not torch.cuda.is_available():
         pytest.skip("needs a GPU")

@@ -17,6 +17,7 @@ import torch
 from tests.conftest import (
     assert_ok,
     assert_processes,
+    launch_command,
     read_metrics,
     run_python,
     run_train,
@@ -141,6 +142,24 @@ def test_a_sharded_checkpoint_resumes_only_on_its_own_process_count(sharded, tmp
         f"is single process on 1; resume it with the accelerate config it was trained with and --num_processes 2"
     )
     assert sorted(p.name for p in other.iterdir()) == ["checkpoints"]  # nothing written
+
+
+def test_the_readme_launch_command_of_each_strategy_is_the_one_run_here():
+    """The README's `accelerate launch --config_file accelerate_configs/<strategy>.yaml train.py` is what these tests
+    launch (with a free port, and 2 processes as the config says), so tests/test_readme.py does not run it again."""
+    from scripts.readme_commands import section_commands
+
+    commands = section_commands("Launch on any hardware")
+    for config in STRATEGIES:
+        assert f"accelerate launch --config_file accelerate_configs/{config}.yaml train.py" in commands
+        launched = launch_command(2, config)
+        assert launched[1:5] == [
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            f"accelerate_configs/{config}.yaml",
+        ]
+        assert launched[-1] == "train.py" and launched[launched.index("--num_processes") + 1] == "2"
 
 
 # --- a Hugging Face model: the tiny GPT-2, padded batches, 2 micro-batches accumulated per process ---

@@ -130,38 +130,6 @@ def test_bad_search_space_from_the_command_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_four_trials_two_pruned_by_the_search_space(tmp_path):
-    """A learning rate of 1e-6 leaves the accuracy at chance: the threshold pruner stops those trials early. One
-    process per trial (trials on 2 processes: test_readme_sweep_command_runs_as_written)."""
-    space = {
-        "metric": "eval/accuracy",
-        "direction": "maximize",
-        "fixed": {"max_steps": 200, "eval_steps": 20, "logging_steps": 20, "save_steps": 0},
-        "parameters": {"learning_rate": {"choices": [0.003, 1.0e-6]}, "weight_decay": {"choices": [0.0, 0.01]}},
-        "pruner": {"ThresholdPruner": {"lower": 0.3, "n_warmup_steps": 40}},
-        "sampler": {"GridSampler": {"search_space": {"learning_rate": [0.003, 1.0e-6], "weight_decay": [0.0, 0.01]}}},
-    }  # the grid: each of the 4 combinations once, so two trials have the bad learning rate
-    out = tmp_path / "sweep"
-    command = ["scripts/sweep.py", str(write_space(tmp_path, space)), "--n_trials", "4", "--output_dir", str(out),
-               "--accelerate_config", "accelerate_configs/cpu.yaml"]  # fmt: skip
-    result = run_python(*command, timeout=900)
-    assert_ok(result)
-    trials = load_study(out).trials
-    states = {t.number: (t.state.name, t.params["learning_rate"]) for t in trials}
-    assert sorted(states.values()) == [("COMPLETE", 0.003)] * 2 + [("PRUNED", 1.0e-6)] * 2, states
-    full = max(len(eval_lines(out / f"trial_{t.number}")) for t in trials)
-    for trial in trials:
-        assert_processes(out / f"trial_{trial.number}", 1)
-        steps = eval_lines(out / f"trial_{trial.number}")
-        if trial.state.name == "COMPLETE":
-            assert steps[-1] == 200 and trial.value == read_metrics(out / f"trial_{trial.number}")[-1]["eval/accuracy"]
-        else:  # pruned at its first report after the warmup, and stopped early
-            assert trial.last_step == 40 and len(steps) < full, steps
-    assert "| trial | state | eval/accuracy |" in result.stdout and result.stdout.count("| PRUNED |") == 2
-    assert (out / "trials.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.mark.slow
 def test_killed_sweep_continues_the_same_study(tmp_path):
     """SIGKILL the sweep (and its trial) during trial 1; the same command again runs only the trial still missing."""
     space = write_space(tmp_path, {
@@ -223,14 +191,24 @@ def test_sigterm_to_the_sweep_stops_its_trial(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("command", section_commands("Hyperparameter sweeps", page="docs/sweeps.md"))
 def test_readme_sweep_command_runs_as_written(command, tmp_path):
+    """The page's sweep: 4 trials on 2 processes each, those below the median at step 30 pruned and stopped."""
     words = shlex.split(command)
     assert words[:2] == ["python", "scripts/sweep.py"]
     out = tmp_path / "sweep"
     result = run_command([sys.executable, *words[1:], "--output_dir", str(out)], timeout=900)
     assert_ok(result)
-    study = optuna.load_study(study_name="digits", storage=f"sqlite:///{out / 'study.db'}")
+    study = load_study(out, name="digits")
     finished = [t for t in study.trials if t.state.name in ("COMPLETE", "PRUNED")]
     assert len(finished) == int(words[words.index("--n_trials") + 1]) == len(study.trials)
+    pruned = [t for t in study.trials if t.state.name == "PRUNED"]
+    assert pruned, "the median pruner stops the trials below the median at step 30 (docs/sweeps.md: two of four)"
+    full = max(len(eval_lines(out / f"trial_{t.number}")) for t in study.trials)
     for trial in study.trials:
-        assert_processes(out / f"trial_{trial.number}", 2)
-    assert "best: trial" in result.stdout and (out / "trials.png").is_file()
+        trial_dir = out / f"trial_{trial.number}"
+        assert_processes(trial_dir, 2)
+        if trial.state.name == "COMPLETE":
+            assert eval_lines(trial_dir)[-1] == 100 and trial.value == read_metrics(trial_dir)[-1]["eval/accuracy"]
+        else:  # pruned at its first report after the warmup, and stopped early
+            assert trial.last_step == 30 and len(eval_lines(trial_dir)) < full
+    assert result.stdout.count("| PRUNED |") == len(pruned) and "best: trial" in result.stdout
+    assert (out / "trials.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -114,19 +114,6 @@ def test_every_log_interval_has_the_throughput_and_memory_keys(tmp_path):
         assert row["train/samples_per_s"] > 0 and row["train/peak_memory_gb"] > 0
 
 
-@pytest.mark.slow
-def test_plot_script_on_real_runs(tmp_path):
-    runs = []
-    for processes in (1, 2):
-        out = tmp_path / f"p{processes}"
-        assert_ok(run_command([*launch_command(processes), *QUICK, "--output_dir", str(out)]))
-        assert_processes(out, processes)
-        runs.append(str(out))
-    png = tmp_path / "curves.png"
-    assert_ok(run_python("scripts/plot_metrics.py", *runs, "-o", str(png)))
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
 # tqdm's bar: "| 6/6 [00:01<00:00,  4.50step/s]" (or "s/step" when a step takes longer than a second)
 PROGRESS_BAR = re.compile(r"\| *6/6 \[[^\]]*(step/s|s/step)")
 
