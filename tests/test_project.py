@@ -83,7 +83,7 @@ def test_a_renamed_project_passes_its_own_fast_tests(tmp_path):
     copy = copy_of_the_repo(tmp_path / "mine")
     assert_ok(run_python("scripts/new_project.py", "my-project", cwd=copy))
     touched = [f"tests/test_{name}.py" for name in ("config", "docs", "project", "tracking", "layout")]
-    result = run_python("-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider", *touched, cwd=copy,
-                        timeout=900)  # fmt: skip
+    pytest_args = ["-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider", *touched]
+    result = run_python(*pytest_args, cwd=copy, timeout=900)
     assert_ok(result)
     assert " passed" in result.stdout and "failed" not in result.stdout
