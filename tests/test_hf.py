@@ -142,7 +142,8 @@ def test_eval_only_and_predictions_from_a_runs_model_folder(classified, assets, 
 @pytest.mark.slow
 def test_eval_only_with_a_runs_own_config_evaluates_the_trained_model(classified, tmp_path):
     """`--config runs/x/config.yaml --do_train false`: the config names the model the run started from; what is
-    evaluated is the run's trained model/, to the run's final accuracy (the base model would score by chance)."""
+    evaluated is the run's trained model/, to the run's final accuracy (the base model's classifier head is
+    untrained)."""
     run = tmp_path / "run"
     shutil.copytree(classified[1], run)
     config = yaml.safe_load((run / "config.yaml").read_text())
