@@ -54,7 +54,7 @@ def model_to_evaluate(config: TrainConfig) -> TrainConfig:
         return config  # a fresh folder, or this run's model/, a checkpoint of it, or the run folder itself
     run_config = run / CONFIG_FILE
     started_from = yaml.safe_load(run_config.read_text()).get("model_name_or_path") if run_config.is_file() else None
-    if started_from is not None and (model == started_from or Path(model).resolve() == Path(started_from).resolve()):
+    if started_from is not None and Path(model).resolve() == Path(started_from).resolve():  # a Hub name: as written
         return replace(config, model_name_or_path=str(run / MODEL_DIR))
     raise UsageError(
         f"--output_dir {run} holds a trained run: evaluating --model_name_or_path {model} there would replace its "

@@ -147,7 +147,7 @@ def exit_as_the_interpreter_does(code: int) -> None:
 if __name__ == "__main__":
     answers = os.fdopen(os.dup(1), "w")  # the tests read the answers here; what the imports print goes to stderr
     os.dup2(2, 1)
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo, as `python train.py` has
+    sys.path[0] = str(REPO)  # as `python train.py` has it
     import datasets  # noqa: F401  (imported by the runs' data loading)
     import evaluate  # noqa: F401  (metrics)
     import torch._dynamo  # noqa: F401  (torch.optim imports it)

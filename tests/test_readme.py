@@ -9,7 +9,7 @@ import yaml
 
 from scripts.readme_commands import section_commands
 from tests.conftest import QUICK, REPO, assert_ok, assert_processes, free_port, read_metrics, run_command
-from tests.test_sharded import STRATEGIES
+from tests.test_sharded import STRATEGIES, readme_command
 
 
 def test_quickstart_is_exactly_two_commands_and_ci_runs_them():
@@ -20,7 +20,7 @@ def test_quickstart_is_exactly_two_commands_and_ci_runs_them():
 
 
 # The sharded strategies' commands are run by tests/test_sharded.py (killed, resumed, checked against one process).
-SHARDED = [f"accelerate launch --config_file accelerate_configs/{name}.yaml train.py" for name in STRATEGIES]
+SHARDED = [readme_command(config) for config in STRATEGIES]
 
 
 @pytest.mark.slow

@@ -28,6 +28,13 @@ from tests.conftest import (
 from tests.test_hf import LM_EVAL, language_modeling
 
 STRATEGIES = {"fsdp": "FSDP2", "deepspeed_zero2": "DeepSpeed ZeRO-2", "deepspeed_zero3": "DeepSpeed ZeRO-3"}
+
+
+def readme_command(config: str) -> str:
+    """The README's launch line of a strategy (tests/test_readme.py leaves these to the runs here)."""
+    return f"accelerate launch --config_file accelerate_configs/{config}.yaml train.py"
+
+
 # float32 (the shipped configs say bf16) so that the losses compare with one process's to 1e-5. The "best" model is
 # the one with the higher eval loss (step 15's, checkpointed as a new best), so that loading it at the end shows.
 RUN = ["--max_steps", "30", "--logging_steps", "1", "--save_steps", "10", "--eval_steps", "15",
@@ -151,7 +158,7 @@ def test_the_readme_launch_command_of_each_strategy_is_the_one_run_here():
 
     commands = section_commands("Launch on any hardware")
     for config in STRATEGIES:
-        assert f"accelerate launch --config_file accelerate_configs/{config}.yaml train.py" in commands
+        assert readme_command(config) in commands
         launched = launch_command(2, config)
         assert launched[1:5] == [
             "-m",

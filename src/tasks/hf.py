@@ -109,7 +109,7 @@ def apply_overrides(config, overrides: str) -> None:
     except ValueError as err:
         raise UsageError(f"--config_overrides {overrides!r}: {err}") from err
     changed = {key.split("=")[0].strip() for key in overrides.split(",")}
-    derived = head_dim is not None and heads and "head_dim" not in changed  # Llama-style: saved, not recomputed
+    derived = None not in (head_dim, hidden) and heads and "head_dim" not in changed  # Llama-style: saved, not derived
     if derived and {"hidden_size", "num_attention_heads"} & changed:
         if head_dim != hidden // heads:
             raise UsageError(
