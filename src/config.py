@@ -160,8 +160,9 @@ class TrainConfig:
             for name in ("metric_for_best_model", "load_best_model_at_end", "early_stopping_patience")
             if getattr(self, name)
         ]
-        if needs_eval and not (self.do_train and self.do_eval):
-            return [f"--{needs_eval[0]} needs evaluations during training: set --do_train true --do_eval true"]
+        # Without training they don't apply: a run's config.yaml that kept the best model evaluates as it is.
+        if needs_eval and self.do_train and not self.do_eval:
+            return [f"--{needs_eval[0]} needs evaluations during training: set --do_eval true"]
         return []
 
     def to_dict(self) -> dict:
@@ -211,7 +212,16 @@ def resolve_global_batch(config: TrainConfig, num_processes: int) -> int:
 
 
 def field_help(cls) -> dict[str, str]:
-    """name -> the comment at the end of the field's line in the dataclass's source (the --help text)."""
+    """name -> the comment at the end of the field's line in the dataclass's source (the --help text), the base
+    dataclasses' fields included (e.g. the Hugging Face tasks' AdapterOptions)."""
+    comments = {}
+    for base in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(base):
+            comments |= own_field_help(base)
+    return comments
+
+
+def own_field_help(cls) -> dict[str, str]:
     try:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):

@@ -134,7 +134,8 @@ def setup_metrics(accelerator, model, config: TrainConfig, global_batch: int) ->
 
     strategy = strategy_of(model)
     return {
-        "setup/parameters": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),  # ZeRO-3: ds_numel
+        "setup/parameters": parameter_count(model),
+        "setup/trainable_parameters": parameter_count(model, trainable_only=True),  # fewer with --peft lora
         "setup/strategy": strategy,
         **({"setup/fsdp_units": fsdp_units(model)} if strategy == "FSDP2" else {}),
         "setup/world_size": accelerator.num_processes,
@@ -146,6 +147,12 @@ def setup_metrics(accelerator, model, config: TrainConfig, global_batch: int) ->
         "setup/torch": torch.__version__,
         "setup/accelerate": accelerate.__version__,
     }
+
+
+def parameter_count(model, trainable_only: bool = False) -> int:
+    """Every parameter's elements, whole under FSDP2 (a DTensor's numel) and ZeRO-3 (ds_numel)."""
+    parameters = [p for p in model.parameters() if p.requires_grad or not trainable_only]
+    return sum(getattr(p, "ds_numel", p.numel()) for p in parameters)
 
 
 def log_metrics(accelerator, metrics: dict, step: int) -> None:

@@ -204,6 +204,8 @@ LM_EVAL = """
 import json, sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 model_dir, eval_file = sys.argv[1:3]
+if sys.argv[3:] == ["peft"]:  # an adapter folder, by PEFT's own loader
+    from peft import AutoPeftModelForCausalLM as AutoModelForCausalLM
 model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
 tokenizer = AutoTokenizer.from_pretrained(model_dir)
 total = count = 0.0
@@ -386,9 +388,11 @@ def test_transformers_is_optional(tmp_path):
 
 @pytest.mark.slow
 def test_readme_hugging_face_commands_run_as_written(tmp_path, assets):
-    """The README's offline path, verbatim, in a copy of the repo: train on 2 processes, classify with a pipeline
-    from model/, train the language model. The first command, which makes the tiny models and data, is the
-    hf_assets fixture's (tests/conftest.py: both scripts with their defaults): its folders are copied in."""
+    """The page's offline path, verbatim, in a copy of the repo: train on 2 processes, classify with a pipeline
+    from model/, train the language model; then its adapters section: LoRA on that language model, eval-only from
+    the run's config.yaml, a pipeline from the adapter folder. The first command, which makes the tiny models and
+    data, is the hf_assets fixture's (tests/conftest.py: both scripts with their defaults): its folders are copied
+    in."""
     from scripts.readme_commands import section_commands
     from tests.test_project import copy_of_the_repo
 
@@ -415,6 +419,20 @@ def test_readme_hugging_face_commands_run_as_written(tmp_path, assets):
     modeled = read_metrics(copy / "runs" / "language_modeling")[-1]
     assert classified["eval/accuracy"] > 0.9, classified
     assert modeled["eval/loss"] < 0.8 * math.log(2000), modeled  # well below a uniform guess over the vocabulary
+
+    adapter_commands = section_commands("Adapters (LoRA)", page="docs/hugging_face.md")
+    results = [run_command(["bash", "-c", c], cwd=copy, env={"PATH": f"{shims}:{os.environ['PATH']}"})
+               for c in adapter_commands]  # fmt: skip
+    for result in results:
+        assert_ok(result)
+    adapted = copy / "runs" / "gpt2_lora"
+    trained = read_metrics(adapted)
+    assert trained[0]["setup/trainable_parameters"] < trained[0]["setup/parameters"] / 50  # the adapters only
+    assert trained[-1]["eval/loss"] < modeled["eval/loss"]  # better than the base model they adapt
+    assert json.loads((adapted / "eval_results.json").read_text())["eval/loss"] == pytest.approx(
+        trained[-1]["eval/loss"], abs=1e-6
+    )  # the eval-only command evaluated the adapter, not the base model
+    assert "'generated_text': 'def " in results[2].stdout  # transformers' pipeline loaded the adapter folder
 
 
 @pytest.mark.slow

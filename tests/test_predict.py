@@ -207,13 +207,20 @@ def test_best_model_follows_the_metric_and_direction(metric, greater, values, be
     ("flags", "message"),
     [
         (["--do_train", "false", "--do_eval", "false"], "all false: nothing to do"),
-        (["--do_train", "false", "--load_best_model_at_end", "true"], "needs evaluations during training"),
         (["--do_eval", "false", "--metric_for_best_model", "accuracy"], "needs evaluations during training"),
+        (["--do_eval", "false", "--load_best_model_at_end", "true"], "needs evaluations during training"),
     ],
 )
 def test_bad_phase_settings_are_refused_when_parsed(flags, message):
     with pytest.raises(UsageError, match=message):
         parse_config(flags)
+
+
+def test_best_model_settings_do_not_apply_without_training():
+    """A run's config.yaml that kept the best model evaluates as it is: `--config runs/x/config.yaml --do_train
+    false` (tests/test_adapters.py runs it)."""
+    config = parse_config(["--do_train", "false", "--load_best_model_at_end", "true", "--early_stopping_patience", "2"])
+    assert not config.do_train and config.load_best_model_at_end
 
 
 @pytest.mark.slow

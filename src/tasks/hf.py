@@ -7,6 +7,15 @@ offline), tokenising once on the main process first, and saving the result with 
 from contextlib import contextmanager
 from pathlib import Path
 
+from src.adapters import (
+    adapter_base,
+    add_adapter,
+    is_adapter_folder,
+    load_adapter,
+    save_adapter,
+    save_merged,
+    saved_labels,
+)
 from src.data import check_columns, load_splits
 from src.errors import UsageError
 from src.final_model import saved_model_dir
@@ -17,9 +26,12 @@ from src.tasks.base import Task
 class HuggingFaceTask(Task):
     """A transformers model and its tokenizer: what text_classification and language_modeling share. The model is
     `--model_name_or_path` (a run's field: a folder, a checkpoint or a Hub name); the Options have `tokenizer_name`,
-    `config_overrides` and `dropout`."""
+    `config_overrides` and `dropout`, and those of src/adapters.py (`--peft lora`)."""
 
-    export_checkpoints = True  # every checkpoint's model/ loads with from_pretrained too
+    export_checkpoints = True  # every checkpoint's model/ loads with from_pretrained (or PEFT's loaders) too
+    peft_task_type: str  # PEFT's TaskType for an adapter on this task's model, e.g. "CAUSAL_LM"
+    adapter_path: str | None = None  # --model_name_or_path an adapter folder: the adapter, on its base model_path
+    adapted = False  # the model has adapters: model/ holds them (or the merged model)
 
     def load_text_splits(self, columns: list[str], flags: str, names: list[str] | None = None) -> list:
         """The model source checked, the tokenizer loaded (self.tokenizer), then the splits `names` (default:
@@ -35,17 +47,38 @@ class HuggingFaceTask(Task):
         """The model source checked, then self.tokenizer loaded (also for a streamed train split)."""
         require_transformers()
         self.model_path = check_model_source(self.config.model_name_or_path)
-        self.tokenizer = load_tokenizer(self.options.tokenizer_name or self.model_path)
+        if is_adapter_folder(self.model_path):  # the tokenizer saved with the adapter; the weights of its base
+            self.adapter_path = self.model_path
+            self.model_path = check_model_source(adapter_base(self.adapter_path), "the adapter's base model")
+        self.tokenizer = load_tokenizer(self.options.tokenizer_name or self.adapter_path or self.model_path)
 
     def load_model(self, path: str):
-        """from_pretrained already loaded --model_name_or_path in build_model()."""
-        return self.build_model()
+        """build_model() (from_pretrained of --model_name_or_path, or of an adapter's base), with the adapter
+        saved in an adapter folder (trained further when training), or fresh ones with --peft lora."""
+        model = self.build_model()
+        if self.adapter_path:
+            self.adapted = True
+            return load_adapter(model, self.adapter_path, trainable=self.config.do_train)
+        if self.options.peft and self.config.do_train:
+            self.adapted = True
+            return add_adapter(model, self.options, self.peft_task_type)
+        return model
 
     def model_config(self, **settings):
+        settings = {**saved_labels(self.adapter_path), **settings}  # a classifier adapter's label map
         return load_config(self.model_path, self.options.config_overrides, self.options.dropout, **settings)
 
     def save_model(self, accelerator, model, directory: Path) -> None:
-        save_pretrained(accelerator, model, self.tokenizer, directory)
+        """A plain model with save_pretrained; an adapter alone with its base's path; or the merged model."""
+        if not self.adapted:
+            save_pretrained(accelerator, model, self.tokenizer, directory)
+            return
+        if self.options.merge_adapter:
+            save_merged(accelerator, model, directory, fresh_copy=lambda: self.load_model(self.model_path))
+        else:
+            save_adapter(accelerator, model, directory, base=self.model_path)
+        if accelerator.is_main_process:
+            self.tokenizer.save_pretrained(directory)
 
 
 def check_dropout(dropout: float | None) -> None:
@@ -69,8 +102,11 @@ def check_model_source(name: str | None, flag: str = "--model_name_or_path") -> 
         raise UsageError(f"set {flag} to a local model folder or a Hub name (e.g. bert-base-uncased)")
     if Path(name).is_dir():
         name = str(saved_model_dir(name))  # a run's output_dir or checkpoint: its exported model/
-        if not (Path(name) / "config.json").is_file():
-            raise UsageError(f"{flag} {name} is a folder without config.json: not a saved transformers model")
+        if not (Path(name) / "config.json").is_file() and not is_adapter_folder(name):
+            raise UsageError(
+                f"{flag} {name} is a folder without config.json or adapter_config.json: not a saved transformers "
+                "model or PEFT adapter"
+            )
         return name
     if Path(name).exists() or name.startswith((".", "/")) or name.count("/") > 1:
         raise UsageError(f"{flag} {name}: no such model folder")

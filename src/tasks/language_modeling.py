@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from src.adapters import AdapterOptions
 from src.errors import UsageError
 from src.streaming import SampleStream, load_stream
 from src.tasks.hf import HuggingFaceTask, check_dropout, main_process_first
@@ -38,7 +39,7 @@ def pad_and_label(pad, samples: list[dict]) -> dict:
 
 class LanguageModeling(HuggingFaceTask):
     @dataclass
-    class Options:
+    class Options(AdapterOptions):
         tokenizer_name: str | None = None  # None: the model's
         from_scratch: bool = False  # a new model from the config (and config_overrides), not the saved weights
         config_overrides: str | None = None  # applied to the config, e.g. "n_layer=2,n_embd=64,n_head=2"
@@ -52,8 +53,12 @@ class LanguageModeling(HuggingFaceTask):
             if self.block_size is not None and self.block_size < 2:
                 raise UsageError(f"--block_size must be >= 2 (got {self.block_size})")
             check_dropout(self.dropout)
+            self.check_adapter_options()
+            if self.peft and self.from_scratch:
+                raise UsageError("--peft lora adapts a trained model: drop --from_scratch true, or drop --peft")
 
     loss_reduction = "sum"
+    peft_task_type = "CAUSAL_LM"
 
     def build_datasets(self):
         train, evals = self.load_text_splits([self.options.text_column], "--text_column")

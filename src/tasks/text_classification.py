@@ -9,19 +9,22 @@ Texts are tokenised once (`datasets.map`, cached, on the main process first) and
 (`id2label` / `label2id`), so `model/` loads with `from_pretrained` and works in a `pipeline`.
 """
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from src.adapters import LABELS_FILE, AdapterOptions
 from src.errors import UsageError
 from src.tasks.hf import HuggingFaceTask, check_dropout, main_process_first
 
 
 class TextClassification(HuggingFaceTask):
     @dataclass
-    class Options:
+    class Options(AdapterOptions):
         tokenizer_name: str | None = None  # None: the model's
         config_overrides: str | None = None  # applied to the model's config, e.g. "num_hidden_layers=2"
         text_column: str = "text"
@@ -34,8 +37,10 @@ class TextClassification(HuggingFaceTask):
             if self.max_length <= 0:
                 raise UsageError(f"--max_length must be > 0 (got {self.max_length})")
             check_dropout(self.dropout)
+            self.check_adapter_options()
 
     metrics = ["accuracy"]
+    peft_task_type = "SEQ_CLS"  # --peft lora: the new classifier head trains (and is saved) with the adapters
     labels: list | None = None  # the class names in id order: from the train split, or a trained model's config
 
     def build_datasets(self):
@@ -86,10 +91,19 @@ class TextClassification(HuggingFaceTask):
     def build_model(self) -> nn.Module:
         from transformers import AutoModelForSequenceClassification
 
-        id2label = {i: str(label) for i, label in enumerate(self.labels)}
-        label2id = {name: i for i, name in id2label.items()}
-        config = self.model_config(num_labels=len(self.labels), id2label=id2label, label2id=label2id)
+        config = self.model_config(num_labels=len(self.labels), **self.label_maps())
         return AutoModelForSequenceClassification.from_pretrained(self.model_path, config=config)
+
+    def save_model(self, accelerator, model: nn.Module, directory: Path) -> None:
+        """An adapter alone also gets its label map (labels.json): its base model's config has none."""
+        super().save_model(accelerator, model, directory)
+        if self.adapted and not self.options.merge_adapter and accelerator.is_main_process:
+            (directory / LABELS_FILE).write_text(json.dumps(self.label_maps(), indent=2) + "\n")
+
+    def label_maps(self) -> dict:
+        """id2label and label2id, saved in the model's config: names in pipelines and when the model is reloaded."""
+        id2label = {i: str(label) for i, label in enumerate(self.labels)}
+        return {"id2label": id2label, "label2id": {name: i for i, name in id2label.items()}}
 
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
         return model(**batch).loss  # the mean over the batch's examples
