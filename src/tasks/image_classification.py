@@ -176,12 +176,12 @@ class ImageClassification(ClassificationTask):
         """The splits, each checked for its columns; an image folder's images labelled by its class subfolders."""
         import datasets
 
+        for name in names if labelled else []:
+            self.check_class_folders(name)
         options, splits = self.options, load_splits(self.config, names)
         loaded = {}
         for name in names:
             split = splits[name]
-            if labelled and options.label_column not in split.column_names:
-                self.check_class_folders(name)
             check_columns(split, [options.image_column, *[options.label_column] * labelled], self.COLUMN_FLAGS)
             if not isinstance(split.features[options.image_column], datasets.Image):  # paths or bytes: decode them
                 split = split.cast_column(options.image_column, datasets.Image())
@@ -191,9 +191,10 @@ class ImageClassification(ClassificationTask):
     COLUMN_FLAGS = "--image_column / --label_column"
 
     def check_class_folders(self, split: str) -> None:
-        """A folder of images without class subfolders has no labels: one line saying how to give them."""
+        """A folder of images without class subfolders has no labels (datasets would label them by the split
+        folder's own name): one line saying how to give them."""
         folder = self.split_folder(split)
-        if folder is not None:
+        if folder is not None and not any(path.is_dir() for path in folder.iterdir()):
             raise UsageError(
                 f"the {split} folder {folder} has no class subfolders to label its images by: put each class's "
                 f"images in a subfolder named after it ({folder}/<class>/*.png, two classes or more)"
@@ -201,9 +202,8 @@ class ImageClassification(ClassificationTask):
 
     def split_folder(self, split: str) -> Path | None:
         """The folder a split's data_files names, or None (files, a Hub dataset)."""
-        if not reads_local_files(self.config) or not Path(self.config.data_files.get(split, "")).is_dir():
-            return None
-        return Path(self.config.data_files[split])
+        path = self.config.data_files.get(split) if reads_local_files(self.config) else None
+        return Path(path) if path is not None and Path(path).is_dir() else None
 
     def samples(self, split, name: str, labelled: bool = True, augmentation=None) -> ImageSamples:
         preprocess = Preprocess(self.processor, self.options.image_size)
