@@ -280,7 +280,7 @@ class EpochDependent(Protocol):
     epoch and the sample's index (src/tasks/image_classification.py). `LoaderBatches` sets the epoch before each
     epoch's iterator exists, so the loader's worker processes, which copy the dataset as the iterator starts, see it;
     a resumed run sets the epoch it resumes in. (Accelerate's prepared loader calls a dataset's set_epoch itself only
-    where its sampler has none: on 1 process, not on N, so it is not relied on.)"""
+    where the sampler has none; a shuffled train loader's seedable sampler has one, so it never reaches the dataset.)"""
 
     def set_epoch(self, epoch: int) -> None: ...
 
