@@ -1,15 +1,19 @@
-"""Make tiny, randomly initialised BERT and GPT-2 models with their own tokenizers, offline, for tests and examples.
+"""Make tiny, randomly initialised BERT and GPT-2 models with their own tokenizers, offline, for tests and examples
+(and a tiny ViT with its image processor).
 
     python scripts/make_tiny_model.py                                   # both, into data/tiny/bert and data/tiny/gpt2
     python scripts/make_tiny_model.py --kind bert --out data/tiny/bert
     python scripts/make_tiny_model.py --kind gpt2 --out data/tiny/gpt2
+    python scripts/make_tiny_model.py --kind vit                        # data/tiny/vit, for 8x8 images
 
 Each folder is what `from_pretrained` loads: a tokenizer trained here with the `tokenizers` library on the Python
 standard library's source (the files scripts/prepare_text.py reads, capped to a few MB) and a model built from a
 tiny config with a fixed seed. BERT: a lowercasing WordPiece tokenizer and a `BertModel` (no head, so
 `AutoModelForSequenceClassification.from_pretrained(folder, num_labels=N)` adds a fresh classifier). GPT-2: a
-byte-level BPE tokenizer (`<|endoftext|>` is bos, eos, unk and pad) and a `GPT2LMHeadModel`. The result is the same
-on every run with this Python and these library versions; it is git-ignored and rebuilt in seconds.
+byte-level BPE tokenizer (`<|endoftext|>` is bos, eos, unk and pad) and a `GPT2LMHeadModel`. ViT (only with
+`--kind vit`): a `ViTModel` for 8x8 RGB images in 2x2 patches, no head (`AutoModelForImageClassification` adds one),
+and a `ViTImageProcessor` that scales pixels to [-1, 1]. The result is the same on every run with this Python and
+these library versions; it is git-ignored and rebuilt in seconds.
 """
 
 import argparse
@@ -22,11 +26,22 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers  # noqa: E402
-from transformers import BertConfig, BertModel, BertTokenizer, GPT2Config, GPT2LMHeadModel, GPT2Tokenizer  # noqa: E402
+from transformers import (  # noqa: E402
+    BertConfig,
+    BertModel,
+    BertTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPT2Tokenizer,
+    ViTConfig,
+    ViTImageProcessor,
+    ViTModel,
+)
 
 from scripts.prepare_text import read_capped, source_files  # noqa: E402
 
-KINDS = ("bert", "gpt2")
+KINDS = ("bert", "gpt2", "vit")
+TEXT_KINDS = ("bert", "gpt2")  # what the script makes without --kind
 VOCAB_SIZE = 2000
 TEXT_MB = 3  # enough text for a 2,000-token vocabulary; training on it takes about a second
 BERT_SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]  # [PAD] first: pad id 0, as in the original BERT
@@ -104,6 +119,25 @@ def gpt2_model(tokenizer: GPT2Tokenizer) -> GPT2LMHeadModel:
 BUILDERS = {"bert": (bert_tokenizer, bert_model), "gpt2": (gpt2_tokenizer, gpt2_model)}
 
 
+def make_vit(out: Path) -> None:
+    torch.manual_seed(0)
+    config = ViTConfig(
+        image_size=8,
+        patch_size=2,
+        num_channels=3,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+    )
+    model = ViTModel(config, add_pooling_layer=False)  # the classifier reads the [CLS] token's final state
+    processor = ViTImageProcessor(size={"height": 8, "width": 8}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    out.mkdir(parents=True, exist_ok=True)
+    processor.save_pretrained(out)
+    model.save_pretrained(out)
+    print(f"wrote vit to {out}: {sum(p.numel() for p in model.parameters()):,} parameters, 8x8 RGB images")
+
+
 def make(kind: str, out: Path, texts: list[str]) -> None:
     make_tokenizer, make_model = BUILDERS[kind]
     tokenizer = make_tokenizer(texts)
@@ -118,18 +152,20 @@ def make(kind: str, out: Path, texts: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kind", choices=KINDS, help="one kind only (default: both)")
+    parser.add_argument("--kind", choices=KINDS, help="one kind only (default: bert and gpt2)")
     parser.add_argument("--out", type=Path, help="output folder (default: data/tiny/<kind>; needs --kind)")
     parser.add_argument("--text_mb", type=float, default=TEXT_MB, help="MB of stdlib source to train tokenizers on")
     args = parser.parse_args(argv)
     if args.out is not None and args.kind is None:
-        parser.error("--out needs --kind: the two kinds cannot share a folder")
+        parser.error("--out needs --kind: two kinds cannot share a folder")
     if args.text_mb <= 0:
         parser.error(f"--text_mb must be > 0 (got {args.text_mb})")
 
-    texts = training_texts(args.text_mb)
-    for kind in [args.kind] if args.kind else KINDS:
-        make(kind, args.out or Path("data/tiny") / kind, texts)
+    kinds = [args.kind] if args.kind else TEXT_KINDS
+    texts = training_texts(args.text_mb) if set(kinds) & set(TEXT_KINDS) else []
+    for kind in kinds:
+        out = args.out or Path("data/tiny") / kind
+        make_vit(out) if kind == "vit" else make(kind, out, texts)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Data: `datasets.load_dataset` on local Parquet/CSV/JSON files or a Hub name, then PyTorch DataLoaders.
+"""Data: `datasets.load_dataset` on local Parquet/CSV/JSON files, image folders or a Hub name, then PyTorch DataLoaders.
 
 `load_splits` reads whatever the config names; each task (src/tasks/) turns the splits into torch Datasets and may
 bring its own `collate_fn`.
@@ -11,6 +11,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
@@ -19,6 +20,8 @@ from src.errors import TaskFailed, UsageError, describe
 from src.hub import check_hub_repo
 
 FILE_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".jsonl": "json"}
+FOLDER_BUILDER = "imagefolder"  # a folder as a split's data_files: its images, labelled by their class subfolders
+LOCAL_BUILDERS = {*FILE_BUILDERS.values(), FOLDER_BUILDER}  # --dataset_name naming one reads --data_files, not the Hub
 
 
 def load_splits(config: TrainConfig, names: list[str] | None = None):
@@ -28,7 +31,7 @@ def load_splits(config: TrainConfig, names: list[str] | None = None):
 
     datasets.disable_progress_bars()
     names = names or [config.train_split, config.eval_split]
-    splits = load_hub_dataset(config) if config.dataset_name else None
+    splits = None if reads_local_files(config) else load_hub_dataset(config)
     available = list(splits if splits is not None else config.data_files)
     missing = [name for name in names if name not in available]
     if missing:
@@ -36,6 +39,10 @@ def load_splits(config: TrainConfig, names: list[str] | None = None):
     if splits is None:  # local files: only those of the named splits are read
         files = {split: config.data_files[split] for split in names}
         builder = file_builder(files)
+        if config.dataset_name not in (None, builder):
+            raise UsageError(f"--dataset_name {config.dataset_name} does not read {builder} data_files; drop it")
+        if builder == FOLDER_BUILDER:  # datasets reads a folder's files through a pattern
+            files = {split: str(Path(folder) / "**") for split, folder in files.items()}
         try:
             splits = datasets.load_dataset(builder, data_files=files)
         except datasets.exceptions.DatasetGenerationError as err:
@@ -47,9 +54,22 @@ def load_splits(config: TrainConfig, names: list[str] | None = None):
     return splits
 
 
+def reads_local_files(config: TrainConfig) -> bool:
+    """--data_files without --dataset_name, or with a `datasets` builder of local files as its name (`imagefolder`,
+    `parquet`, ...): the files are read, the Hub is never asked."""
+    if config.dataset_name not in (None, *LOCAL_BUILDERS):
+        return False
+    if not config.data_files:
+        raise UsageError(
+            f"--dataset_name {config.dataset_name} reads local files: set --data_files, e.g. "
+            "'{train: data/my_images/train, eval: data/my_images/eval}'"
+        )
+    return True
+
+
 def has_split(config: TrainConfig, name: str) -> bool:
     """Whether the data holds split `name` (the optional test split)."""
-    if config.dataset_name:
+    if not reads_local_files(config):
         return name in load_hub_dataset(config)
     return name in config.data_files
 
@@ -70,20 +90,26 @@ def split_flag(config: TrainConfig, split: str) -> str:
 
 
 def file_builder(data_files: dict[str, str]) -> str:
-    """The `datasets` builder for local files, from their extension; all splits must share one format."""
+    """The `datasets` builder for local files, from their extension (a folder: imagefolder); all splits must share
+    one format."""
     suffixes = set()
     for split, path in data_files.items():
+        if Path(path).is_dir():
+            suffixes.add("a folder")
+            continue
         if not Path(path).is_file():
             raise UsageError(
                 f"data file for split {split!r} not found: {path} (set --data_files or run from the repo root)"
             )
         suffixes.add(Path(path).suffix.lower())
-    unsupported = suffixes - set(FILE_BUILDERS)
+    unsupported = suffixes - {*FILE_BUILDERS, "a folder"}
     if unsupported or len(suffixes) != 1:
         raise UsageError(
-            f"data_files must all be one of {', '.join(FILE_BUILDERS)} (got {', '.join(sorted(suffixes))})"
+            f"data_files must all be one of {', '.join(FILE_BUILDERS)} or all folders of images "
+            f"(got {', '.join(sorted(suffixes))})"
         )
-    return FILE_BUILDERS[suffixes.pop()]
+    suffix = suffixes.pop()
+    return FOLDER_BUILDER if suffix == "a folder" else FILE_BUILDERS[suffix]
 
 
 def load_hub_dataset(config: TrainConfig):
@@ -248,6 +274,17 @@ def train_windows(source, accumulation: int, position: DataPosition) -> Iterator
         position.epoch, position.steps = position.epoch + 1, 0
 
 
+@runtime_checkable
+class EpochDependent(Protocol):
+    """A dataset whose samples depend on the epoch, e.g. augmentation drawn from a generator seeded by the seed, the
+    epoch and the sample's index (src/tasks/image_classification.py). `LoaderBatches` sets the epoch before each
+    epoch's iterator exists, so the loader's worker processes, which copy the dataset as the iterator starts, see it;
+    a resumed run sets the epoch it resumes in. (Accelerate's prepared loader calls a dataset's set_epoch itself only
+    where the sampler has none; a shuffled train loader's seedable sampler has one, so it never reaches the dataset.)"""
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+
 class LoaderBatches:
     """The prepared DataLoader, epoch by epoch; a resumed epoch skips the batches already trained on."""
 
@@ -256,6 +293,9 @@ class LoaderBatches:
 
     def epoch(self, epoch: int, skip: int = 0) -> Iterable:
         self.loader.set_epoch(epoch)  # the seedable sampler's permutation: a function of the seed and the epoch
+        dataset = self.loader.dataset.dataset if isinstance(self.loader.dataset, Subset) else self.loader.dataset
+        if isinstance(dataset, EpochDependent):
+            dataset.set_epoch(epoch)
         return self.accelerator.skip_first_batches(self.loader, skip) if skip else self.loader
 
 

@@ -2,6 +2,7 @@
 
 --task digits | tabular | causal_lm           the built-in tasks (this folder)
 --task text_classification | language_modeling    Hugging Face transformers models (requirements-hf.txt)
+--task image_classification                   image folders; a plain CNN or a transformers model
 --task my_package.my_task                     a module defining one Task subclass
 --task my_package.my_task.MyTask              or the class itself
 """
@@ -22,6 +23,7 @@ BUILT_IN = {
     "causal_lm": "src.tasks.causal_lm.CausalLM",
     "text_classification": "src.tasks.text_classification.TextClassification",  # needs transformers
     "language_modeling": "src.tasks.language_modeling.LanguageModeling",  # needs transformers
+    "image_classification": "src.tasks.image_classification.ImageClassification",  # transformers for its models
 }
 
 

@@ -13,13 +13,17 @@ class ClassificationTask(Task):
 
     metrics = ["accuracy"]
 
+    def logits(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+        """The model's (N, classes) logits; a transformers model returns them inside its output."""
+        return model(inputs)
+
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
         inputs, labels = batch
-        return F.cross_entropy(model(inputs), labels)
+        return F.cross_entropy(self.logits(model, inputs), labels)
 
     def eval_outputs(self, model: nn.Module, batch) -> dict[str, torch.Tensor]:
         inputs, labels = batch
-        logits = model(inputs)
+        logits = self.logits(model, inputs)
         return {
             "loss": F.cross_entropy(logits, labels, reduction="none"),
             "weight": torch.ones_like(labels, dtype=torch.float32),
@@ -28,7 +32,7 @@ class ClassificationTask(Task):
         }
 
     def predict(self, model: nn.Module, batch) -> dict[str, torch.Tensor]:
-        probabilities = model(batch[0]).float().softmax(dim=-1)  # batch[0]: the inputs, with or without labels
+        probabilities = self.logits(model, batch[0]).float().softmax(dim=-1)  # batch[0]: the inputs, labelled or not
         return {"prediction": probabilities.argmax(dim=-1), "probabilities": probabilities}
 
 

@@ -1,0 +1,241 @@
+"""--task image_classification on an image folder (docs/images.md's commands): the same training on 1 and 2
+processes with augmentation on and loader workers, a kill + resume equal to the uninterrupted run, every eval image
+counted once, a model/ that the image-classification pipeline reloads with the run's accuracy, and a folder without
+class subfolders refused. The augmentation rule itself (docs/customize.md's recipe) is checked without training."""
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Subset
+
+from scripts.readme_commands import section_commands
+from src.data import EpochDependent, LoaderBatches
+from src.tasks.image_classification import Augmentation, ImageSamples, Preprocess, sample_generator
+from tests.conftest import (
+    assert_ok,
+    assert_processes,
+    read_metrics,
+    run_command,
+    run_python,
+    run_with_hook,
+    series,
+    signal_at,
+)
+from tests.test_checkpoint import train_losses
+from tests.test_customize import code_block
+from tests.test_docs import as_written, workspace
+from tests.test_errors import assert_error_line
+
+# 128 train images in global batches of 32: 4 steps an epoch, so 12 steps cross two epoch boundaries
+SHORT = ["--max_steps", "12", "--max_train_samples", "128", "--global_batch_size", "32",
+         "--per_device_train_batch_size", "16", "--logging_steps", "1", "--eval_steps", "1000"]  # fmt: skip
+
+
+# --- the augmentation rule, without training ---
+
+
+def test_augmentation_depends_only_on_seed_epoch_and_index():
+    image = torch.arange(3 * 8 * 8, dtype=torch.float32).view(3, 8, 8)
+    augment = Augmentation(crop_padding=2, horizontal_flip=True)
+
+    def draw(seed, epoch, index):
+        return augment(image, sample_generator(seed, epoch, index))
+
+    assert draw(0, 1, 5).shape == image.shape
+    assert torch.equal(draw(0, 1, 5), draw(0, 1, 5))  # wherever and whenever it is drawn
+    variants = [draw(0, epoch, 5) for epoch in range(6)]
+    assert len({tuple(v.flatten().tolist()) for v in variants}) > 1  # another epoch, other crops
+    assert any(not torch.equal(draw(0, 1, 5), draw(0, 1, i)) for i in range(6, 12))  # and per sample
+    assert any(not torch.equal(draw(0, 1, 5), draw(seed, 1, 5)) for seed in range(1, 7))  # and per seed
+    assert torch.equal(Augmentation()(image, sample_generator(0, 0, 0)), image)  # off: the image as it is
+
+
+class NoOpEpochLoader(DataLoader):
+    """A DataLoader with the prepared loader's set_epoch that does nothing: only the loop's own call sets it."""
+
+    def set_epoch(self, epoch: int) -> None:
+        pass
+
+
+def test_the_loop_sets_the_epoch_in_the_loader_workers():
+    """docs/customize.md's recipe, verbatim, through LoaderBatches with 2 workers (each copies the dataset when an
+    epoch's iterator starts) and under --max_train_samples' Subset: each epoch's samples are those the epoch's seed
+    gives, and the same again when an epoch is read a second time (a resume)."""
+    namespace = {}
+    exec(code_block("# a train dataset whose random draws are the same"), namespace)
+    inputs, labels = torch.zeros(6, 2), torch.arange(6)
+    noisy = namespace["Noisy"](inputs, labels, seed=3)
+    assert isinstance(noisy, EpochDependent)
+    loader = NoOpEpochLoader(Subset(noisy, range(4)), batch_size=2, num_workers=2)
+    source = LoaderBatches(accelerator=None, loader=loader)
+
+    def epoch(number):
+        return torch.cat([batch[0] for batch in source.epoch(number)])
+
+    def expected(number):
+        return torch.stack([0.1 * torch.randn(2, generator=sample_generator(3, number, i)) for i in range(4)])
+
+    torch.testing.assert_close(epoch(2), expected(2), rtol=0, atol=0)
+    torch.testing.assert_close(epoch(0), expected(0), rtol=0, atol=0)
+    torch.testing.assert_close(epoch(2), expected(2), rtol=0, atol=0)
+    assert not torch.equal(expected(0), expected(2))
+
+
+def test_image_samples_are_preprocessed_and_augmented_per_index():
+    """ImageSamples: RGB in [-1, 1], labelled or not; augmented by its epoch and index, the eval split never."""
+    images = [{"image": Image.new("L", (8, 8), color=255 * (i % 2))} for i in range(4)]
+    augment = Augmentation(crop_padding=1)
+    train = ImageSamples(images, "image", Preprocess(), torch.arange(4), augment, seed=0)
+    plain = ImageSamples(images, "image", Preprocess())
+    (pixels,) = plain[1]
+    assert pixels.shape == (3, 8, 8) and torch.equal(pixels, torch.ones(3, 8, 8))
+    train.set_epoch(4)
+    augmented, label = train[2]
+    assert label == 2 and torch.equal(augmented, augment(plain[2][0], sample_generator(0, 4, 2)))
+
+
+# --- docs/images.md, run ---
+
+
+@pytest.fixture(scope="module")
+def docs(tmp_path_factory) -> dict:
+    """docs/images.md's commands: the two that make the data and the tiny ViT run as written in a workspace."""
+    pytest.importorskip("transformers")
+    commands = section_commands("Image classification", page="docs/images.md")
+    assert [c.split()[1] for c in commands] == [
+        "scripts/make_image_folder.py", "scripts/make_tiny_model.py", "launch", "train.py", "-c",
+    ]  # fmt: skip
+    cwd = workspace(tmp_path_factory.mktemp("images"))
+    for command in commands[:2]:
+        assert_ok(run_command(as_written(command), cwd=cwd))
+    return {"cwd": cwd, "commands": commands}
+
+
+def one_process(command: str) -> list[str]:
+    """The docs' accelerate launch as `python train.py` with the same arguments."""
+    words = as_written(command)
+    return [sys.executable, *words[words.index("train.py") :]]
+
+
+@pytest.fixture(scope="module")
+def cnn_runs(docs, tmp_path_factory) -> dict:
+    """The CNN command (shortened, flips added) on 2 processes with 2 loader workers each, on 1 process without
+    workers, and on 1 process without augmentation."""
+    cwd, command = docs["cwd"], docs["commands"][2]
+    flags = [*SHORT, "--horizontal_flip", "true"]
+    launches = {
+        2: [*as_written(command), *flags, "--dataloader_num_workers", "2"],
+        1: [*one_process(command), *flags],
+        "plain": [*one_process(command), *flags, "--random_crop_padding", "0", "--horizontal_flip", "false"],
+    }
+    runs = {}
+    for name, launch in launches.items():
+        runs[name] = tmp_path_factory.mktemp(f"cnn{name}") / "run"
+        assert_ok(run_command([*launch, "--output_dir", str(runs[name])], cwd=cwd))
+        assert_processes(runs[name], 2 if name == 2 else 1)
+    return runs
+
+
+def losses(run: Path) -> torch.Tensor:
+    return torch.tensor(list(series(read_metrics(run), "train/loss").values()))
+
+
+@pytest.mark.slow
+def test_augmented_images_train_the_same_on_1_and_2_processes_with_workers(cnn_runs):
+    one, two, plain = (losses(cnn_runs[name]) for name in (1, 2, "plain"))
+    assert len(one) == 12
+    torch.testing.assert_close(two, one, rtol=0, atol=1e-5)
+    assert (one - plain).abs().min() > 1e-4  # the augmentation really ran: without it every step's loss differs
+    final = [read_metrics(cnn_runs[n])[-1] for n in (1, 2)]
+    assert final[1]["eval/loss"] == pytest.approx(final[0]["eval/loss"], abs=1e-5)
+    assert final[1]["eval/accuracy"] == final[0]["eval/accuracy"]
+
+
+@pytest.mark.slow
+def test_every_eval_image_is_counted_once_on_2_processes(cnn_runs, docs):
+    images = len(list((docs["cwd"] / "data" / "digit_images" / "eval").glob("*/*.png")))
+    assert images == 359  # a prime: 2 processes shard it unevenly
+    assert read_metrics(cnn_runs[2])[-1]["eval/num_samples"] == images
+
+
+@pytest.mark.slow
+def test_killed_and_resumed_run_matches_the_uninterrupted_one(cnn_runs, docs, tmp_path):
+    """Killed at step 8, resumed from step_6 (epoch 1, two batches in), with 2 loader workers and the folder read
+    through --dataset_name imagefolder: the per-step losses are those of the uninterrupted run."""
+    out, cwd = tmp_path / "run", docs["cwd"]
+    folders = "{train: data/digit_images/train, eval: data/digit_images/eval}"
+    args = [*one_process(docs["commands"][2])[2:], *SHORT, "--horizontal_flip", "true", "--output_dir", str(out),
+            "--save_steps", "6", "--resume_from_checkpoint", "latest", "--dataloader_num_workers", "2",
+            "--dataset_name", "imagefolder", "--data_files", folders]  # fmt: skip
+    killed = run_with_hook(tmp_path, args, signal_at(8), cwd=cwd)
+    assert killed.returncode != 0
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_6"]
+    resumed = run_with_hook(tmp_path, args, cwd=cwd)
+    assert_ok(resumed)
+    assert "resuming from" in resumed.stdout + resumed.stderr
+    resumed_losses, _ = train_losses(out)
+    expected, _ = train_losses(cnn_runs[1])
+    assert list(resumed_losses) == list(range(1, 13))
+    assert max(abs(resumed_losses[step] - expected[step]) for step in expected) <= 1e-6
+
+
+PIPELINE = """
+import json, sys
+from pathlib import Path
+from transformers import pipeline
+model_dir, folder = sys.argv[1:3]
+files = sorted(Path(folder).glob("*/*.png"))
+classify = pipeline("image-classification", model=model_dir)
+labels = [result[0]["label"] for result in classify([str(f) for f in files], top_k=1)]
+print(json.dumps({"accuracy": sum(label == f.parent.name for label, f in zip(labels, files)) / len(files),
+                  "labels": {str(f.relative_to(folder)): label for f, label in zip(files, labels)}}))
+"""
+
+
+@pytest.mark.slow
+def test_vit_model_reloads_in_a_pipeline_with_the_runs_accuracy_and_predictions(docs):
+    """The ViT command (shortened) and the pipeline command as written; then the pipeline over the whole eval folder
+    gives the run's eval/accuracy and, file by file, the classes of predictions.jsonl."""
+    cwd, commands = docs["cwd"], docs["commands"]
+    assert_ok(run_command([*as_written(commands[3]), "--max_steps", "40", "--logging_steps", "10"], cwd=cwd))
+    run = cwd / "runs" / "vit"
+    saved = {path.name for path in (run / "model").iterdir()}
+    assert {"config.json", "model.safetensors", "preprocessor_config.json"} <= saved
+    config = json.loads((run / "model" / "config.json").read_text())
+    names = ["eight", "five", "four", "nine", "one", "seven", "six", "three", "two", "zero"]  # sorted folder names
+    assert [config["id2label"][str(i)] for i in range(10)] == names
+
+    printed = run_command(as_written(commands[4]), cwd=cwd)
+    assert_ok(printed)
+    assert "'label': '" in printed.stdout and any(f"'{name}'" in printed.stdout for name in names)
+
+    result = run_python("-c", PIPELINE, str(run / "model"), str(cwd / "data" / "digit_images" / "eval"))
+    assert_ok(result)
+    reloaded = json.loads(result.stdout.strip().splitlines()[-1])
+    final = read_metrics(run)[-1]
+    assert final["eval/num_samples"] == 359
+    assert reloaded["accuracy"] == final["eval/accuracy"]
+    predictions = [json.loads(line) for line in (run / "predictions.jsonl").read_text().splitlines()]
+    assert {row["id"]: row["prediction"] for row in predictions} == reloaded["labels"]
+    assert final["eval/accuracy"] > 0.15  # above chance (0.1): it trained
+
+
+@pytest.mark.slow
+def test_a_folder_without_class_subfolders_is_one_line_and_exit_2(docs, tmp_path):
+    flat = tmp_path / "flat"
+    for split in ("train", "eval"):
+        (flat / split).mkdir(parents=True)
+        for i, png in enumerate(sorted((docs["cwd"] / "data" / "digit_images" / split).glob("*/*.png"))[:40]):
+            shutil.copy(png, flat / split / f"{i}.png")
+    out = tmp_path / "run"
+    folders = f"{{train: {flat / 'train'}, eval: {flat / 'eval'}}}"
+    result = run_command(
+        [*one_process(docs["commands"][2]), "--data_files", folders, "--output_dir", str(out)], cwd=docs["cwd"]
+    )
+    assert_error_line(result, rf"the train folder {flat / 'train'} has no class subfolders .*<class>/\*\.png")
+    assert not out.exists()
