@@ -18,7 +18,6 @@ from typing import Literal
 from src.errors import UsageError
 
 ADAPTER_CONFIG = "adapter_config.json"
-LABELS_FILE = "labels.json"  # a classifier adapter's label map: the base model's config does not have it
 
 
 @dataclass
@@ -48,15 +47,6 @@ def is_adapter_folder(path: str) -> bool:
 def adapter_base(folder: str) -> str:
     """The base model an adapter folder was trained on (adapter_config.json's base_model_name_or_path)."""
     return json.loads((Path(folder) / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
-
-
-def saved_labels(folder: str | None) -> dict:
-    """A classifier adapter's id2label / label2id, saved beside it; {} for other folders."""
-    path = Path(folder) / LABELS_FILE if folder else None
-    if path is None or not path.is_file():
-        return {}
-    labels = json.loads(path.read_text())
-    return {"id2label": {int(i): name for i, name in labels["id2label"].items()}, "label2id": labels["label2id"]}
 
 
 def require_peft():

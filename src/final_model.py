@@ -1,6 +1,7 @@
 """The final model: `output_dir/model/` in the task's format, written from every process's shards, and read back
 (`--model_name_or_path` a run, its model/ or a checkpoint)."""
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,6 +18,29 @@ def save_final_model(accelerator, task, model, output_dir: Path) -> Path:
     task.save_model(accelerator, model, model_dir)
     accelerator.wait_for_everyone()
     return model_dir
+
+
+LABELS_FILE = "labels.json"  # class names beside weights whose own config has none (a plain network, an adapter)
+
+
+def label_maps(labels: list) -> dict:
+    """The class names in id order -> `id2label` / `label2id`, as transformers' configs and loaders take them."""
+    id2label = {i: str(label) for i, label in enumerate(labels)}
+    return {"id2label": id2label, "label2id": {name: i for i, name in id2label.items()}}
+
+
+def save_labels(directory: Path, labels: list) -> None:
+    """The class names in id order, as label_maps() in labels.json."""
+    (Path(directory) / LABELS_FILE).write_text(json.dumps(label_maps(labels), indent=2) + "\n")
+
+
+def saved_labels(directory: str | Path) -> list[str] | None:
+    """The class names save_labels wrote into `directory`, in id order; None where it wrote none."""
+    path = Path(directory) / LABELS_FILE
+    if not path.is_file():
+        return None
+    id2label = json.loads(path.read_text())["id2label"]
+    return [id2label[str(i)] for i in range(len(id2label))]
 
 
 def load_weights(model, path: str) -> None:

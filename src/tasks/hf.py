@@ -14,11 +14,10 @@ from src.adapters import (
     load_adapter,
     save_adapter,
     save_merged,
-    saved_labels,
 )
 from src.data import check_columns, load_splits
 from src.errors import UsageError
-from src.final_model import saved_model_dir
+from src.final_model import saved_labels, saved_model_dir
 from src.hub import check_hub_repo
 from src.tasks.base import Task
 
@@ -65,7 +64,13 @@ class HuggingFaceTask(Task):
         return model
 
     def model_config(self, **settings):
-        settings = {**saved_labels(self.adapter_path), **settings}  # a classifier adapter's label map
+        labels = saved_labels(self.adapter_path) if self.adapter_path else None  # a classifier adapter's
+        if labels is not None:
+            settings = {
+                "id2label": dict(enumerate(labels)),
+                "label2id": {n: i for i, n in enumerate(labels)},
+                **settings,
+            }
         return load_config(self.model_path, self.options.config_overrides, self.options.dropout, **settings)
 
     def save_model(self, accelerator, model, directory: Path) -> None:

@@ -15,7 +15,6 @@ the train split, drawn from each sample's own generator (`Augmentation`: the sam
 of loader workers, and after a resume).
 """
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -28,12 +27,10 @@ from torch.utils.data import Dataset
 
 from src.data import check_columns, load_splits, reads_local_files
 from src.errors import UsageError
-from src.final_model import saved_model_dir
+from src.final_model import LABELS_FILE, label_maps, save_labels, saved_labels, saved_model_dir
 from src.models.digits_cnn import DigitsCNN
 from src.tasks.classification import ClassificationTask
 from src.tasks.hf import check_dropout, check_model_source, load_config, require_transformers, save_pretrained
-
-LABELS_FILE = "labels.json"  # the plain CNN's label names, in id order, beside its model.safetensors
 
 
 @dataclass(frozen=True)
@@ -224,13 +221,13 @@ class ImageClassification(ClassificationTask):
         if self.processor is not None:
             id2label = load_config(self.model_path, None, None).id2label
             return [id2label[i] for i in range(len(id2label))]
-        path = saved_model_dir(self.config.model_name_or_path) / LABELS_FILE
-        if not path.is_file():
+        labels = saved_labels(saved_model_dir(self.config.model_name_or_path))
+        if labels is None:
             raise UsageError(
                 f"--model_name_or_path {self.config.model_name_or_path} has no {LABELS_FILE}: "
                 "not a model trained by --task image_classification"
             )
-        return json.loads(path.read_text())
+        return labels
 
     def prediction_ids(self, split: str) -> list | None:
         """The --id_column where the split has one, else each image's file (relative to its split's folder)."""
@@ -254,12 +251,10 @@ class ImageClassification(ClassificationTask):
             return DigitsCNN(num_labels=len(self.labels), norm=self.options.norm, in_channels=3)
         from transformers import AutoModelForImageClassification
 
-        id2label = dict(enumerate(self.labels))
-        label2id = {label: i for i, label in id2label.items()}
         options = self.options
         config = load_config(
             self.model_path, options.config_overrides, options.dropout, num_labels=len(self.labels),
-            id2label=id2label, label2id=label2id,
+            **label_maps(self.labels),
         )  # fmt: skip
         # a model with another head (e.g. ImageNet's 1,000 classes) gets a fresh one for these labels
         return AutoModelForImageClassification.from_pretrained(
@@ -286,7 +281,7 @@ class ImageClassification(ClassificationTask):
             return save_pretrained(accelerator, model, self.processor, directory)
         super().save_model(accelerator, model, directory)
         if accelerator.is_main_process:
-            (Path(directory) / LABELS_FILE).write_text(json.dumps(self.labels) + "\n")
+            save_labels(directory, self.labels)
 
 
 def class_names(split, column: str) -> list[str]:

@@ -9,7 +9,6 @@ Texts are tokenised once (`datasets.map`, cached, on the main process first) and
 (`id2label` / `label2id`), so `model/` loads with `from_pretrained` and works in a `pipeline`.
 """
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from src.adapters import LABELS_FILE, AdapterOptions
+from src.adapters import AdapterOptions
 from src.errors import UsageError
+from src.final_model import label_maps, save_labels
 from src.tasks.hf import HuggingFaceTask, check_dropout, main_process_first
 
 
@@ -91,19 +91,14 @@ class TextClassification(HuggingFaceTask):
     def build_model(self) -> nn.Module:
         from transformers import AutoModelForSequenceClassification
 
-        config = self.model_config(num_labels=len(self.labels), **self.label_maps())
+        config = self.model_config(num_labels=len(self.labels), **label_maps(self.labels))
         return AutoModelForSequenceClassification.from_pretrained(self.model_path, config=config)
 
     def save_model(self, accelerator, model: nn.Module, directory: Path) -> None:
         """An adapter alone also gets its label map (labels.json): its base model's config has none."""
         super().save_model(accelerator, model, directory)
         if self.adapted and not self.options.merge_adapter and accelerator.is_main_process:
-            (directory / LABELS_FILE).write_text(json.dumps(self.label_maps(), indent=2) + "\n")
-
-    def label_maps(self) -> dict:
-        """id2label and label2id, saved in the model's config: names in pipelines and when the model is reloaded."""
-        id2label = {i: str(label) for i, label in enumerate(self.labels)}
-        return {"id2label": id2label, "label2id": {name: i for i, name in id2label.items()}}
+            save_labels(directory, self.labels)
 
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
         return model(**batch).loss  # the mean over the batch's examples
