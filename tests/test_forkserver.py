@@ -1,5 +1,6 @@
 """The tests' fork server (tests/forkserver.py) runs a script as a fresh `python script.py` would: the same output,
-exit status, environment, cwd, threads and atexit handlers, a SIGKILL seen as -9, a timeout raised."""
+exit status, environment, cwd, threads and atexit handlers, a SIGKILL seen as -9, a timeout raised; and an
+Accelerate launch as a fresh launcher would, its ranks forked: the same variables, exit status and clean-up."""
 
 import subprocess
 import sys
@@ -60,7 +61,7 @@ def test_forked_only_when_nothing_read_at_import_differs(script, tmp_path):
     assert server.accepts(command, server.env, REPO, {})
     assert not server.accepts(command, server.env | {"OMP_NUM_THREADS": "2"}, REPO, {})  # read when torch loads
     assert not server.accepts(command, server.env, tmp_path, {})  # another project's src/ would be shadowed
-    assert not server.accepts([sys.executable, "-m", "accelerate.commands.launch", script], server.env, REPO, {})
+    assert not server.accepts([sys.executable, "-m", "accelerate", "launch", script], server.env, REPO, {})
     pid = run_command([sys.executable, "-c", "import os; print(os.getppid())"]).stdout.strip()
     assert int(pid) != server.server.pid  # `python -c` starts fresh
     forked = run_command([sys.executable, script, "0"])
@@ -78,3 +79,45 @@ def test_a_timeout_kills_the_run_and_raises(script):
     with pytest.raises(subprocess.TimeoutExpired):
         run_command([sys.executable, script, "sleep"], timeout=1)
     assert run_command([sys.executable, script, "0"]).returncode == 0  # the server serves on
+
+
+RANK_PROBE = """
+import os, signal, sys, time
+rank = int(os.environ["RANK"])
+names = sorted(k for k in os.environ if k.startswith(("RANK", "LOCAL_", "WORLD", "MASTER", "TORCHELASTIC", "ACCELERATE",
+                                                       "GROUP_", "ROLE_", "OMP_")))
+default = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+print(f"rank {rank} of {os.environ['WORLD_SIZE']} names {names} default {default} leader {os.getsid(0) == os.getpid()}")
+print(f"imported {rank} {'torch' in sys.modules} parent {os.getppid()}", file=sys.stderr)
+if sys.argv[1] == "fail" and rank == 1:
+    sys.exit(3)
+if sys.argv[1] == "fail":
+    time.sleep(60)  # the agent stops this rank when the other fails
+"""
+
+
+def launch(script, what: str) -> list[str]:
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/ddp.yaml",
+            "--num_processes", "2", "--monitor_interval", "0.2", script, what]  # fmt: skip
+
+
+@pytest.mark.parametrize("what", ["ok", "fail"])
+def test_a_forked_launch_is_what_a_fresh_launch_gives(monkeypatch, tmp_path, what):
+    """Each rank sees the same launcher variables, the interpreter's SIGTERM handler, its own session; a failing
+    rank stops the other and the launch fails, as with fresh processes. The forked ranks start with torch imported,
+    as children of the (forked) launcher."""
+    probe = tmp_path / "rank_probe.py"
+    probe.write_text(RANK_PROBE)
+    command = launch(str(probe), what)
+    assert fork_server().accepts(command, fork_server().env, REPO, {})
+    forked, fresh = run_both(monkeypatch, command)
+    assert forked.returncode == fresh.returncode == (0 if what == "ok" else 1)
+    lines = {run: sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
+             for run, result in (("forked", forked), ("fresh", fresh))}  # fmt: skip
+    assert lines["forked"] == lines["fresh"] and len(lines["fresh"]) == 2
+    assert all(line.endswith("default True leader True") for line in lines["fresh"])
+    imported = [line.split() for line in forked.stderr.splitlines() if line.startswith("imported ")]
+    assert sorted(rank for _, rank, torch, _, _ in imported if torch == "True") == ["0", "1"]
+    assert all(int(parent) != fork_server().server.pid for *_, parent in imported)  # the launcher's children
+    if what == "fail":
+        assert "ChildFailedError" in forked.stderr and "exitcode  : 3" in forked.stderr

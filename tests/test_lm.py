@@ -25,22 +25,23 @@ pytestmark = pytest.mark.usefixtures("stdlib_text")  # data/stdlib, built where 
 
 
 @pytest.mark.slow
-def test_lm_yaml_loss_falls_by_30_percent(out):
-    """configs/lm.yaml as is: ~45 s on 2 CPU cores with 2 threads (~75 s with conftest's 1 thread per process)."""
+def test_lm_yaml_loss_falls_by_30_percent_in_100_steps(out):
+    """configs/lm.yaml, its schedule shortened to 100 steps: ~25 s on 2 CPU cores with 2 threads (~45 s with
+    conftest's 1 thread per process). docs/lm.md's figures are of the full 200."""
     # one process: use the cores a small CI machine has, but only those no other pytest-xdist worker is using (two
     # threads on a core another worker keeps busy wait on each other: several times slower, not faster)
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     threads = str(max(1, min(2, (os.cpu_count() or 1) // workers)))
-    result = run_train(*LM, "--output_dir", str(out), env={"OMP_NUM_THREADS": threads}, timeout=900)
-    assert_ok(result)
+    args = [*LM, "--max_steps", "100", "--eval_steps", "50", "--output_dir", str(out)]
+    assert_ok(run_train(*args, env={"OMP_NUM_THREADS": threads}, timeout=900))
     rows = read_metrics(out)
     losses = series(rows, "train/loss")
-    assert list(losses)[0] == 10 and list(losses)[-1] == 200
-    first, last = losses[10], losses[200]
+    assert list(losses)[0] == 10 and list(losses)[-1] == 100
+    first, last = losses[10], losses[100]
     assert last <= 0.7 * first, losses
     assert rows[0]["setup/parameters"] == lm_task().count_parameters(non_embedding=False)
-    assert list(series(rows, "eval/perplexity")) == [100, 200]
-    assert series(rows, "eval/loss")[200] < 0.6 * math.log(256)  # well below a uniform guess over the bytes
+    assert list(series(rows, "eval/perplexity")) == [50, 100]
+    assert series(rows, "eval/loss")[100] < 0.6 * math.log(256)  # well below a uniform guess over the bytes
 
 
 # 30 steps of configs/lm.yaml, evaluated on 127 blocks at the end; lm.yaml's model (the CausalLM.Options defaults)

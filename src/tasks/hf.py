@@ -17,7 +17,7 @@ from src.adapters import (
 )
 from src.data import check_columns, load_splits
 from src.errors import UsageError
-from src.final_model import saved_labels, saved_model_dir
+from src.final_model import label_maps, saved_labels, saved_model_dir
 from src.hub import check_hub_repo
 from src.tasks.base import Task
 
@@ -66,11 +66,7 @@ class HuggingFaceTask(Task):
     def model_config(self, **settings):
         labels = saved_labels(self.adapter_path) if self.adapter_path else None  # a classifier adapter's
         if labels is not None:
-            settings = {
-                "id2label": dict(enumerate(labels)),
-                "label2id": {n: i for i, n in enumerate(labels)},
-                **settings,
-            }
+            settings = {**label_maps(labels), **settings}
         return load_config(self.model_path, self.options.config_overrides, self.options.dropout, **settings)
 
     def save_model(self, accelerator, model, directory: Path) -> None:
