@@ -50,6 +50,15 @@ def run_python(*args: str, **kwargs) -> subprocess.CompletedProcess:
     return run_command([sys.executable, *args], **kwargs)
 
 
+def run_snippet(code: str, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -c code args` from the repo, forked from the fork server: for code whose result can't depend on what
+    the server had imported (e.g. reloading a saved model), not for checks of what a process imports."""
+    command, full_env, server = [sys.executable, "-c", code, *args], command_env(env), fork_server()
+    if server.accepts(command, full_env, REPO, {}, snippet=True):
+        return server.run(command, full_env, REPO, timeout)
+    return run_command(command, env=env, timeout=timeout)
+
+
 def command_env(env: dict | None = None) -> dict:
     """Offline, one thread per process, no inherited launcher (or pytest-xdist worker) variables; `env` on top, its
     None values unset."""

@@ -48,17 +48,18 @@ class ForkServer:
         )
         self.pending = b""
 
-    def accepts(self, command: list[str], env: dict, cwd, options: dict) -> bool:
+    def accepts(self, command: list[str], env: dict, cwd, options: dict, snippet: bool = False) -> bool:
         """A script run (`python x.py ...`) or an Accelerate launch (`python -m accelerate.commands.launch ...`)
-        from the repo, with only run-time variables changed."""
+        from the repo, with only run-time variables changed; with `snippet`, a `python -c code` whose caller says
+        that what the server imported can't change it (a check of what a process imports can't be one)."""
         changed = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
+        script = len(command) > 1 and (command[1].endswith(".py") or command[1:3] == ["-m", LAUNCHER])
         return (
             os.environ.get("TEST_FRESH_PROCESSES", "") in ("", "0")
             and self.server.poll() is None
             and not options
-            and len(command) > 1
             and command[0] == sys.executable
-            and (command[1].endswith(".py") or command[1:3] == ["-m", LAUNCHER])
+            and (command[1:2] == ["-c"] if snippet else script)
             and Path(cwd).resolve() == REPO
             and changed <= RUN_TIME_VARIABLES
         )
@@ -129,12 +130,14 @@ def become(argv: list[str], env: dict, launcher: bool = False) -> None:
     interpreter would."""
     os.environ.clear()
     os.environ.update(env)
-    script = argv[0]
-    sys.argv = list(argv)
-    sys.path[0] = os.getcwd() if launcher else os.path.dirname(os.path.abspath(script))
+    script = "<string>" if argv[0] == "-c" else argv[0]
+    sys.argv = ["-c", *argv[2:]] if argv[0] == "-c" else list(argv)
+    sys.path[0] = "" if argv[0] == "-c" else os.getcwd() if launcher else os.path.dirname(os.path.abspath(script))
     try:
         if launcher:
             runpy.run_module(LAUNCHER, run_name="__main__", alter_sys=True)
+        elif argv[0] == "-c":
+            exec(compile(argv[1], script, "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
         else:
             runpy.run_path(script, run_name="__main__")
         code = 0

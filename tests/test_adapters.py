@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import QUICK, assert_ok, assert_processes, read_metrics, run_python, run_train
+from tests.conftest import QUICK, assert_ok, assert_processes, read_metrics, run_snippet, run_train
 from tests.test_errors import assert_error_line
 from tests.test_hf import LM_EVAL, assert_same_training, classification, language_modeling
 from tests.test_sharded import STRATEGIES, strategy_params
@@ -58,7 +58,7 @@ def test_only_the_adapter_trains_the_same_on_1_and_2_processes(lm_runs, hf_asset
 
 @pytest.mark.parametrize("loader", ["peft", "transformers"])
 def test_peft_and_transformers_reload_the_adapter_to_the_logged_eval_loss(lm_runs, hf_assets, loader):
-    result = run_python("-c", LM_EVAL, str(lm_runs[2] / "model"), hf_assets["eval"], loader)
+    result = run_snippet(LM_EVAL, str(lm_runs[2] / "model"), hf_assets["eval"], loader)
     assert_ok(result)
     logged = read_metrics(lm_runs[2])[-1]["eval/loss"]
     assert float(result.stdout.strip().splitlines()[-1]) == pytest.approx(logged, rel=1e-5)
@@ -67,7 +67,7 @@ def test_peft_and_transformers_reload_the_adapter_to_the_logged_eval_loss(lm_run
 def test_the_merged_model_loads_with_from_pretrained_to_the_eval_loss(lm_runs, hf_assets):
     model = lm_runs[1] / "model"
     assert (model / "config.json").is_file() and not (model / "adapter_config.json").exists()
-    result = run_python("-c", LM_EVAL, str(model), hf_assets["eval"])
+    result = run_snippet(LM_EVAL, str(model), hf_assets["eval"])
     assert_ok(result)
     logged = read_metrics(lm_runs[1])[-1]["eval/loss"]
     assert float(result.stdout.strip().splitlines()[-1]) == pytest.approx(logged, rel=1e-5)
@@ -132,7 +132,7 @@ def test_the_best_classifier_adapter_reloads_with_its_labels(classifier, hf_asse
     best = json.loads((classifier / "eval_results.json").read_text())
     evals = [row["eval/accuracy"] for row in read_metrics(classifier) if "eval/accuracy" in row]
     assert best["eval/accuracy"] == max(evals) and len(set(evals)) > 1  # the adapter learned; the best is kept
-    result = run_python("-c", CLASSIFIER_EVAL, str(classifier / "model"), hf_assets["eval"])
+    result = run_snippet(CLASSIFIER_EVAL, str(classifier / "model"), hf_assets["eval"])
     assert_ok(result)
     assert json.loads(result.stdout.strip().splitlines()[-1])["accuracy"] == best["eval/accuracy"]
 
@@ -171,7 +171,7 @@ CTRLLMHeadModel(CTRLConfig(vocab_size=2000, n_embd=16, n_layer=1, n_head=2, dff=
 )
 def test_bad_adapter_options(hf_assets, tmp_path, flags, pattern):
     if "CTRL" in flags:
-        assert_ok(run_python("-c", CTRL_MODEL, str(tmp_path / "ctrl")))
+        assert_ok(run_snippet(CTRL_MODEL, str(tmp_path / "ctrl")))
         flags = ["--model_name_or_path", str(tmp_path / "ctrl"), "--tokenizer_name", hf_assets["gpt2"]]
     out = tmp_path / "run"
     assert_error_line(run_train(*language_modeling(hf_assets, "--peft", "lora", *QUICK, *flags), "--output_dir",

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, fork_server, run_command
+from tests.conftest import REPO, fork_server, run_command, run_python, run_snippet
 
 SCRIPT = """
 import atexit, os, signal, sys, threading, time
@@ -68,6 +68,14 @@ def test_forked_only_when_nothing_read_at_import_differs(script, tmp_path):
     assert forked.returncode == 0 and "argv ['0']" in forked.stdout
 
 
+@pytest.mark.parametrize("code", ["import os, sys; print(sys.argv, repr(sys.path[0]), __name__)", "1 / 0"])
+def test_a_snippet_forked_when_asked_is_what_python_c_gives(code):
+    forked, fresh = run_snippet(code, "an arg"), run_python("-c", code, "an arg")
+    assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
+    parent = run_snippet("import os; print(os.getppid())").stdout.strip()
+    assert int(parent) == fork_server().server.pid
+
+
 def test_the_child_really_is_forked_with_the_imports_done(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("import os, sys\nprint(os.getppid(), 'torch' in sys.modules)\n")
@@ -89,16 +97,21 @@ names = sorted(k for k in os.environ if k.startswith(("RANK", "LOCAL_", "WORLD",
 default = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 print(f"rank {rank} of {os.environ['WORLD_SIZE']} names {names} default {default} leader {os.getsid(0) == os.getpid()}")
 print(f"imported {rank} {'torch' in sys.modules} parent {os.getppid()}", file=sys.stderr)
+printed = sys.argv[2] + ".printed"
 if sys.argv[1] == "fail" and rank == 1:
-    sys.exit(3)
+    for _ in range(600):  # fail once the other rank has printed
+        if os.path.exists(printed):
+            sys.exit(3)
+        time.sleep(0.05)
 if sys.argv[1] == "fail":
+    open(printed, "w").close()
     time.sleep(60)  # the agent stops this rank when the other fails
 """
 
 
-def launch(script, what: str) -> list[str]:
+def launch(script, what: str, marker) -> list[str]:
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/ddp.yaml",
-            "--num_processes", "2", "--monitor_interval", "0.2", script, what]  # fmt: skip
+            "--num_processes", "2", "--monitor_interval", "0.2", script, what, str(marker)]  # fmt: skip
 
 
 @pytest.mark.parametrize("what", ["ok", "fail"])
@@ -108,9 +121,11 @@ def test_a_forked_launch_is_what_a_fresh_launch_gives(monkeypatch, tmp_path, wha
     as children of the (forked) launcher."""
     probe = tmp_path / "rank_probe.py"
     probe.write_text(RANK_PROBE)
-    command = launch(str(probe), what)
+    command = launch(str(probe), what, tmp_path / "forked")
     assert fork_server().accepts(command, fork_server().env, REPO, {})
-    forked, fresh = run_both(monkeypatch, command)
+    forked = run_command(command)
+    monkeypatch.setenv("TEST_FRESH_PROCESSES", "1")
+    fresh = run_command(launch(str(probe), what, tmp_path / "fresh"))
     assert forked.returncode == fresh.returncode == (0 if what == "ok" else 1)
     lines = {run: sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
              for run, result in (("forked", forked), ("fresh", fresh))}  # fmt: skip

@@ -20,6 +20,7 @@ from tests.conftest import (
     read_metrics,
     run_command,
     run_python,
+    run_snippet,
     run_train,
     run_with_hook,
     series,
@@ -110,7 +111,7 @@ def test_saved_model_loads_with_from_pretrained_and_reproduces_the_eval_accuracy
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
         p.name for p in model_dir.iterdir()
     }
-    result = run_python("-c", PREDICT, str(model_dir), assets["eval"])
+    result = run_snippet(PREDICT, str(model_dir), assets["eval"])
     assert_ok(result)
     loaded = json.loads(result.stdout.strip().splitlines()[-1])
     assert loaded["accuracy"] == read_metrics(classified[2])[-1]["eval/accuracy"]  # exactly what the run logged
@@ -241,7 +242,7 @@ def test_language_model_generates_the_same_text_on_1_and_2_processes(modeled, tm
 
 @pytest.mark.slow
 def test_saved_language_model_reproduces_the_eval_loss(modeled, assets):
-    result = run_python("-c", LM_EVAL, str(modeled[2] / "model"), assets["eval"])
+    result = run_snippet(LM_EVAL, str(modeled[2] / "model"), assets["eval"])
     assert_ok(result)
     assert float(result.stdout.strip().splitlines()[-1]) == pytest.approx(read_metrics(modeled[2])[-1]["eval/loss"],
                                                                          rel=1e-5)  # fmt: skip
@@ -276,7 +277,7 @@ def test_resumed_text_classification_continues_bit_for_bit(assets, tmp_path):
     load = (
         "import sys; from transformers import AutoModelForSequenceClassification as A; A.from_pretrained(sys.argv[1])"
     )
-    assert_ok(run_python("-c", load, str(exported)))
+    assert_ok(run_snippet(load, str(exported)))
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ from tests.conftest import (
     assert_processes,
     read_metrics,
     run_command,
-    run_python,
+    run_snippet,
     run_with_hook,
     series,
     signal_at,
@@ -214,7 +214,7 @@ def test_vit_model_reloads_in_a_pipeline_with_the_runs_accuracy_and_predictions(
     assert_ok(printed)
     assert "'label': '" in printed.stdout and any(f"'{name}'" in printed.stdout for name in names)
 
-    result = run_python("-c", PIPELINE, str(run / "model"), str(cwd / "data" / "digit_images" / "eval"))
+    result = run_snippet(PIPELINE, str(run / "model"), str(cwd / "data" / "digit_images" / "eval"))
     assert_ok(result)
     reloaded = json.loads(result.stdout.strip().splitlines()[-1])
     final = read_metrics(run)[-1]

@@ -19,7 +19,7 @@ from tests.conftest import (
     assert_processes,
     launch_command,
     read_metrics,
-    run_python,
+    run_snippet,
     run_train,
     run_with_hook,
     series,
@@ -208,6 +208,6 @@ def test_language_model_trains_as_one_process_does(gpt2_sharded, gpt2_one_proces
 
 def test_saved_language_model_loads_with_from_pretrained_to_the_eval_loss(gpt2_sharded, hf_assets):
     _, out = gpt2_sharded
-    result = run_python("-c", LM_EVAL, str(out / "model"), hf_assets["eval"])
+    result = run_snippet(LM_EVAL, str(out / "model"), hf_assets["eval"])
     assert_ok(result)
     assert float(result.stdout.strip().splitlines()[-1]) == pytest.approx(read_metrics(out)[-1]["eval/loss"], rel=1e-5)
