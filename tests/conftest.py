@@ -85,8 +85,8 @@ _fork_server: ForkServer | None = None
 
 
 def run_command(command: list[str], env: dict | None = None, timeout: float = 300, cwd: Path = REPO, **kwargs):
-    """Run `command` in `command_env(env)`, stdin closed. A 1-process script run is forked from the fork server
-    (tests/forkserver.py: the same process, without paying the imports again)."""
+    """Run `command` in `command_env(env)`, stdin closed. A script run or an Accelerate launch (and its ranks) is
+    forked from the fork server (tests/forkserver.py: the same processes, without paying the imports again)."""
     full_env, server = command_env(env), fork_server()
     if server.accepts(command, full_env, cwd, kwargs):
         return server.run(command, full_env, cwd, timeout)
