@@ -24,6 +24,7 @@ CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotun
 class TrainConfig:
     # --- run ---
     output_dir: str | None = None  # config.yaml, metrics.jsonl, checkpoints/, model/ go here; None: runs/<task>
+    output_mirror: str | None = None  # s3://bucket/run or any fsspec URL: a copy of checkpoints/, model/, metrics.jsonl
     overwrite_output_dir: bool = False  # allow a fresh run to replace a previous run's files in output_dir
     seed: int = 42  # the same on every process: identical initial weights and data order
     run_name: str | None = None  # wandb run name
