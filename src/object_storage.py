@@ -15,13 +15,15 @@ only for such a URL), and so do the credentials: the library's own environment v
 """
 
 import contextlib
+import json
 import logging
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from src.checkpoint import all_processes_agree, checkpoint_dir, complete_checkpoints
+from src.checkpoint import all_processes_agree, checkpoint_dir, checkpoint_step, complete_checkpoints
 from src.config import TrainConfig
 from src.errors import CheckpointWriteFailed, UsageError, one_line
 from src.run_dir import (
@@ -34,6 +36,9 @@ from src.run_dir import (
     STATE_FILE,
     TMP_PREFIX,
 )
+
+if TYPE_CHECKING:
+    import fsspec
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +55,7 @@ class Mirror:
     """The mirror's file system and its root, the URL as that file system's path."""
 
     url: str
-    fs: object  # an fsspec AbstractFileSystem
+    fs: "fsspec.AbstractFileSystem"
     root: str
 
     def path(self, *parts: str) -> str:
@@ -66,7 +71,8 @@ class Mirror:
         """Every step_<N> folder in the mirror, complete or not."""
         with contextlib.suppress(FileNotFoundError):
             self.fs.invalidate_cache()
-            return [entry.rstrip("/").split("/")[-1] for entry in self.fs.ls(self.path(CHECKPOINTS_DIR), detail=False)]
+            names = [entry.rstrip("/").split("/")[-1] for entry in self.fs.ls(self.path(CHECKPOINTS_DIR), detail=False)]
+            return [name for name in names if name.startswith("step_")]
         return []
 
     def holds_run(self) -> bool:
@@ -156,21 +162,26 @@ def describe(err: Exception) -> str:
 
 def fetch_checkpoint(accelerator, config: TrainConfig) -> None:
     """`--resume_from_checkpoint latest`: where the mirror's newest complete checkpoint is newer than the local
-    disk's, the main process downloads it (under a temporary name, renamed when complete) and the mirror's
-    metrics.jsonl with it, so the resumed run's log has every step."""
+    disk's, the main process downloads it (under a temporary name, renamed when complete), the best model's
+    checkpoint that it names (--load_best_model_at_end loads it at the end), and the mirror's metrics.jsonl, so the
+    resumed run's log has every step."""
     mirror = mirror_of(config)
     if mirror is None or config.resume_from_checkpoint != "latest":
         return
     if accelerator.is_main_process:
         output_dir = Path(config.output_dir)
-        local = [int(p.name.removeprefix("step_")) for p in complete_checkpoints(output_dir)]
+        local = [checkpoint_step(path) for path in complete_checkpoints(output_dir)]
         remote = mirror.complete_steps()
         if remote and remote[-1] > max(local, default=0):
-            download(mirror, remote[-1], output_dir)
+            latest = download(mirror, remote[-1], output_dir)
+            best = json.loads((latest / STATE_FILE).read_text()).get("best_model_step")
+            if best in remote and best not in local and best != remote[-1]:
+                download(mirror, best, output_dir)
+            download_metrics(mirror, output_dir)
     accelerator.wait_for_everyone()
 
 
-def download(mirror: Mirror, step: int, output_dir: Path) -> None:
+def download(mirror: Mirror, step: int, output_dir: Path) -> Path:
     final = checkpoint_dir(output_dir, step)
     partial = final.with_name(TMP_PREFIX + final.name)
     shutil.rmtree(partial, ignore_errors=True)
@@ -184,10 +195,15 @@ def download(mirror: Mirror, step: int, output_dir: Path) -> None:
     if final.exists():
         shutil.rmtree(final)
     os.replace(partial, final)
-    metrics = output_dir / METRICS_FILE
-    with contextlib.suppress(FileNotFoundError):  # the log that goes with it: the resume truncates it to the step
-        mirror.fs.get_file(mirror.path(METRICS_FILE), str(metrics.with_name(TMP_PREFIX + METRICS_FILE)))
-        os.replace(metrics.with_name(TMP_PREFIX + METRICS_FILE), metrics)
+    return final
+
+
+def download_metrics(mirror: Mirror, output_dir: Path) -> None:
+    """The log that goes with the checkpoint (uploaded before its trainer state); the resume truncates it."""
+    metrics, partial = output_dir / METRICS_FILE, output_dir / (TMP_PREFIX + METRICS_FILE)
+    with contextlib.suppress(FileNotFoundError):
+        mirror.fs.get_file(mirror.path(METRICS_FILE), str(partial))
+        os.replace(partial, metrics)
 
 
 def prepare_mirror(accelerator, config: TrainConfig, resumed: bool) -> None:

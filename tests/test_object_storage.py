@@ -15,7 +15,17 @@ import pytest
 from scripts.readme_commands import section_commands
 from src.checkpoint import checkpoint_dir
 from src.config import TrainConfig
-from tests.conftest import QUICK, assert_ok, free_port, read_metrics, run_command, run_train, run_with_hook, signal_at
+from tests.conftest import (
+    QUICK,
+    assert_ok,
+    assert_processes,
+    free_port,
+    read_metrics,
+    run_command,
+    run_train,
+    run_with_hook,
+    signal_at,
+)
 from tests.test_checkpoint import train_losses
 from tests.test_docs import as_written, workspace
 from tests.test_errors import assert_error_line
@@ -138,6 +148,26 @@ def test_killed_run_resumes_from_the_bucket_on_an_empty_disk(s3, uninterrupted, 
     assert_bucket_holds_the_run(s3, bucket, out)
 
 
+@pytest.mark.slow
+def test_two_processes_upload_from_the_main_one_and_resume_from_the_bucket(s3, uninterrupted, tmp_path):
+    """DDP on 2 CPU processes: the main process uploads while the other waits, the resume on a wiped disk downloads
+    once for both; the per-step losses are the 1-process uninterrupted run's to 1e-5 (README: 1 = 2 processes)."""
+    out, bucket = tmp_path / "run", s3.bucket()
+    args = mirrored(out, bucket, "--resume_from_checkpoint", "latest")
+    killed = run_with_hook(tmp_path, args, signal_at(5), processes=2, env=s3.env)
+    assert killed.returncode != 0
+    assert sorted(s3.checkpoints(bucket)) == ["step_2", "step_4"]
+    shutil.rmtree(out)
+
+    resumed = run_with_hook(tmp_path, args, processes=2, env=s3.env)
+    assert_ok(resumed)
+    assert_processes(out, 2)
+    assert (resumed.stdout + resumed.stderr).count("downloading checkpoint step_4") == 1
+    losses, expected = train_losses(out)[0], uninterrupted[2]
+    assert list(losses) == list(expected) and max(abs(losses[s] - expected[s]) for s in losses) <= 1e-5
+    assert_bucket_holds_the_run(s3, bucket, out)
+
+
 UPLOAD_DIES = """
 import asyncio, s3fs
 put_file = s3fs.S3FileSystem._put_file
@@ -165,7 +195,12 @@ def test_upload_killed_half_way_leaves_latest_at_the_previous_checkpoint(s3, uni
     checkpoints = s3.checkpoints(bucket)
     assert sorted(checkpoints) == ["step_2", "step_4"]
     assert "trainer_state.json" in checkpoints["step_2"]
-    assert checkpoints["step_4"] == ["config.yaml", "custom_checkpoint_0.pkl", "model.safetensors", "random_states_0.pkl"]
+    assert checkpoints["step_4"] == [
+        "config.yaml",
+        "custom_checkpoint_0.pkl",
+        "model.safetensors",
+        "random_states_0.pkl",
+    ]
     shutil.rmtree(out)
 
     resumed = run_with_hook(tmp_path, args, env=s3.env)
@@ -251,19 +286,21 @@ class MainProcess:
 
 
 def test_file_mirror_sends_the_trainer_state_last_and_fetches_the_newest_complete(tmp_path, monkeypatch):
-    """Without a server (file://): the upload's order, and `latest` taken only from checkpoints with a trainer state."""
+    """Without a server (file://): the upload's order; `latest` taken from checkpoints with a trainer state only,
+    with the best model's checkpoint that it names."""
     import fsspec.implementations.local
 
     from src.object_storage import fetch_checkpoint, upload_checkpoint
 
     out, mirror = tmp_path / "run", tmp_path / "mirror"
     config = TrainConfig(output_dir=str(out), output_mirror=f"file://{mirror}", resume_from_checkpoint="latest")
-    for step in (2, 4):
+    for step in (2, 4, 6):
         checkpoint = checkpoint_dir(out, step)
         (checkpoint / "model").mkdir(parents=True)
-        for name in ("model.safetensors", "model/weights", "trainer_state.json"):
-            (checkpoint / name).write_text(f"{name} {step}")
-    (out / "metrics.jsonl").write_text('{"step": 4}\n')
+        (checkpoint / "model.safetensors").write_text(f"weights {step}")
+        (checkpoint / "model" / "weights").write_text(f"exported {step}")
+        (checkpoint / "trainer_state.json").write_text(json.dumps({"step": step, "best_model_step": 2}))
+    (out / "metrics.jsonl").write_text('{"step": 6}\n')
     sent = []
     put = fsspec.implementations.local.LocalFileSystem.put
     monkeypatch.setattr(
@@ -271,13 +308,13 @@ def test_file_mirror_sends_the_trainer_state_last_and_fetches_the_newest_complet
         "put",
         lambda self, lpath, rpath, **kw: (sent.extend(Path(p).name for p in lpath), put(self, lpath, rpath, **kw)),
     )
-    upload_checkpoint(MainProcess(), config, checkpoint_dir(out, 2))
-    assert sent[-1] == "trainer_state.json" and sorted(sent) == ["metrics.jsonl", "model.safetensors",
-                                                                 "trainer_state.json", "weights"]  # fmt: skip
-    upload_checkpoint(MainProcess(), config, checkpoint_dir(out, 4))
-    (mirror / "checkpoints" / "step_4" / "trainer_state.json").unlink()  # as if its upload was cut off before the end
+    for step in (2, 4, 6):  # --save_total_limit 2 and the best model's step_2: all three stay
+        upload_checkpoint(MainProcess(), config, checkpoint_dir(out, step), keep_step=2)
+    assert sorted(sent[:2]) == ["model.safetensors", "weights"] and sent[2:4] == ["metrics.jsonl", "trainer_state.json"]
+    assert sorted(p.name for p in (mirror / "checkpoints").iterdir()) == ["step_2", "step_4", "step_6"]
+    (mirror / "checkpoints" / "step_6" / "trainer_state.json").unlink()  # as if its upload was cut off before the end
     shutil.rmtree(out)
     fetch_checkpoint(MainProcess(), config)
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2"]
-    assert (checkpoint_dir(out, 2) / "model" / "weights").read_text() == "model/weights 2"
-    assert (out / "metrics.jsonl").read_text() == '{"step": 4}\n'
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2", "step_4"]  # the latest, the best
+    assert (checkpoint_dir(out, 4) / "model" / "weights").read_text() == "exported 4"
+    assert (out / "metrics.jsonl").read_text() == '{"step": 6}\n'
