@@ -17,6 +17,7 @@ from src.checkpoint import checkpoint_dir
 from src.config import TrainConfig
 from tests.conftest import (
     QUICK,
+    REPO,
     assert_ok,
     assert_processes,
     free_port,
@@ -228,6 +229,13 @@ BAD = {
     "library missing": (lambda bucket: "gs://bucket/run", dict, r"needs gcsfs: pip install gcsfs"),
     "not a url": (lambda bucket: "bucket/run", dict, r"is not a URL; use one like s3://bucket/run"),
 }
+
+
+@pytest.mark.slow
+def test_an_output_dir_url_is_refused_with_the_mirror_option_named(tmp_path):
+    result = run_train(*QUICK, "--output_dir", "s3://bucket/run")
+    assert_error_line(result, r"--output_dir s3://bucket/run is a URL; .*--output_mirror s3://bucket/run")
+    assert not (REPO / "s3:").exists()
 
 
 @pytest.mark.slow
