@@ -114,11 +114,13 @@ def assert_bucket_holds_the_run(s3, bucket: str, out: Path) -> None:
 
 
 @pytest.mark.slow
-def test_the_bucket_holds_the_run_rotated_like_the_disk(s3, uninterrupted):
+def test_the_bucket_holds_the_run_rotated_like_the_disk(s3, uninterrupted, tmp_path):
     """--save_total_limit 2 (the default): of the checkpoints at steps 2, 4, 6 and 8 the bucket keeps 6 and 8, as the
-    disk does; model/, metrics.jsonl and the rest are the local files."""
+    disk does; model/, metrics.jsonl and the rest are the local files. The run trains as one without a mirror."""
     out, bucket, losses = uninterrupted
     assert list(losses) == list(range(1, 9))
+    assert_ok(run_with_hook(tmp_path, [*RUN, "--output_dir", str(tmp_path / "plain")]))
+    assert train_losses(tmp_path / "plain")[0] == losses
     assert (
         sorted(s3.checkpoints(bucket))
         == ["step_6", "step_8"]
