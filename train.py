@@ -52,6 +52,7 @@ from src.final_model import model_to_evaluate, save_final_model
 from src.hub import check_hub_push, push_to_hub
 from src.meters import TrainMeters, step_profiler
 from src.metrics import load_metrics
+from src.object_storage import check_mirror, fetch_checkpoint, prepare_mirror, upload_checkpoint, upload_run
 from src.optim import build_optimizer, build_scheduler
 from src.preemption import PreemptionSignals
 from src.run_dir import EVAL_RESULTS_FILE, METRICS_FILE, PREDICTIONS_FILE, prepare_output_dir, write_atomically
@@ -136,6 +137,7 @@ def set_up(config: TrainConfig, training: bool) -> Setup:
 def train(config: TrainConfig) -> dict:
     """Train, evaluating and checkpointing as configured; returns the final eval (and test) metrics."""
     check_hub_push(config)  # --push_to_hub offline or without a token: said before training, not after
+    check_mirror(config)  # --output_mirror unreachable, without credentials or holding another run: the same
     run = set_up(config, training=True)
     accelerator, task, model, metric, eval_loader = run.accelerator, run.task, run.model, run.metric, run.eval_loader
     optimizer = DirectOptimizer(accelerator, model, run.optimizer, run.torch_optimizer)  # see src/fast_path.py
@@ -153,12 +155,14 @@ def train(config: TrainConfig) -> dict:
 
     # --- resume: weights, optimiser, scheduler and RNG from the checkpoint ---
     state = TrainerState(global_batch=batch, world_size=accelerator.num_processes, strategy=strategy_of(model))
+    fetch_checkpoint(accelerator, config)  # --output_mirror: its newest checkpoint, where the local disk's is older
     state, resumed = resume(accelerator, config, state)  # --resume_from_checkpoint: the checkpoint's state
     if steps_per_epoch:  # data of known length: the position follows from the step
         position = DataPosition(*divmod(state.step, steps_per_epoch))
 
     # --- the run directory and trackers: only now that all input has been validated ---
     prepare_output_dir(accelerator, config, resume_step=state.step if resumed else None)
+    prepare_mirror(accelerator, config, resumed)  # a fresh start replaces the mirror's previous run too
     state.tracker_run_id = start_tracking(accelerator, config, resume_run_id=state.tracker_run_id)
     log_metrics(accelerator, setup_metrics(accelerator, model, config, batch), step=state.step)
 
@@ -199,6 +203,7 @@ def train(config: TrainConfig) -> dict:
                 meters.save_to(state)
                 with meters.timer.paused():
                     saved = save_checkpoint(accelerator, config, state, export)
+                    upload_checkpoint(accelerator, config, saved, keep_step=state.best_model_step)  # --output_mirror
                 if preempted:
                     raise TrainingPreempted(f"checkpoint {saved} saved; run the same command to resume")
             if step >= total_steps:
@@ -243,6 +248,7 @@ def finish_training(run: Setup, config: TrainConfig, state: TrainerState, best: 
     model_dir = save_final_model(accelerator, task, run.saved_model, output_dir)  # before what reads more data
     logger.info("model saved to %s; metrics in %s", model_dir, output_dir / METRICS_FILE)
     metrics = finish(run, config, metrics, step)
+    upload_run(accelerator, config)  # --output_mirror: model/, metrics.jsonl, eval_results.json
     push_to_hub(accelerator, config, model_dir)
     return metrics
 

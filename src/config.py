@@ -24,6 +24,7 @@ CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotun
 class TrainConfig:
     # --- run ---
     output_dir: str | None = None  # config.yaml, metrics.jsonl, checkpoints/, model/ go here; None: runs/<task>
+    output_mirror: str | None = None  # s3://bucket/run or any fsspec URL: a copy of checkpoints/, model/, metrics.jsonl
     overwrite_output_dir: bool = False  # allow a fresh run to replace a previous run's files in output_dir
     seed: int = 42  # the same on every process: identical initial weights and data order
     run_name: str | None = None  # wandb run name
@@ -139,6 +140,11 @@ class TrainConfig:
             problems.append(f"--max_steps must be > 0, or -1 to train for num_train_epochs (got {self.max_steps})")
         if self.streaming and self.do_train and self.max_steps < 0:
             problems.append("--streaming needs --max_steps: a stream has no length to count epochs by")
+        if self.output_dir and "://" in self.output_dir:
+            problems.append(
+                f"--output_dir {self.output_dir} is a URL; keep --output_dir a local folder and copy the run there "
+                f"with --output_mirror {self.output_dir}"
+            )
         if self.auto_find_batch_size and self.global_batch_size is None:
             problems.append("--auto_find_batch_size needs --global_batch_size, so the optimiser's batch stays the same")
         problems += self.check_phases()

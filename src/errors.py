@@ -6,7 +6,7 @@
 | 2  | bad input (config, flags, data, paths, a launch this machine can't run): the `error:` line names the fix |
 | 65 | the training diverged: the loss became NaN/inf (the checkpoints before it are intact) |
 | 70 | the task's code failed on a batch: the `error:` line names the hook and the batch's structure |
-| 74 | a checkpoint could not be written (disk full, quota): the previous checkpoints are intact |
+| 74 | a checkpoint could not be written (disk full, quota) or uploaded (--output_mirror): the previous are intact |
 | 75 | preempted (SIGTERM/SIGUSR1): a checkpoint was saved; run the same command to resume (requeue) |
 | 130 | interrupted (Ctrl-C) |
 

@@ -29,6 +29,8 @@ def setup_logging(accelerator) -> None:
     logging.basicConfig(format="%(asctime)s %(message)s", datefmt="%H:%M:%S", level=level, force=True)
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its INFO lines repeat ours, some wrongly
     logging.getLogger("accelerate.tracking").setLevel(logging.ERROR)  # "dropped a string" for setup/device etc.
+    for name in ("botocore", "aiobotocore"):  # --output_mirror s3://: "Found credentials in ...", each client
+        logging.getLogger(name).setLevel(logging.WARNING)
     if not accelerator.is_main_process:
         import warnings
 

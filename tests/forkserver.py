@@ -34,7 +34,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCHER = "accelerate.commands.launch"
-RUN_TIME_VARIABLES = {"TRAIN_DEBUG", "MLFLOW_TRACKING_URI", "WANDB_MODE", "WANDB_API_KEY", "NETRC"}
+# botocore reads these when a run makes its S3 client (tests/test_object_storage.py), not when it is imported
+AWS_VARIABLES = {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"}
+AWS_VARIABLES |= {"AWS_DEFAULT_REGION", "AWS_EC2_METADATA_DISABLED", "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"}
+RUN_TIME_VARIABLES = {"TRAIN_DEBUG", "MLFLOW_TRACKING_URI", "WANDB_MODE", "WANDB_API_KEY", "NETRC", *AWS_VARIABLES}
 
 
 class ForkServer:

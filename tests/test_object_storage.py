@@ -1,0 +1,330 @@
+"""--output_mirror (src/object_storage.py): checkpoints, model/ and metrics.jsonl in object storage, against a real
+local S3 server (moto's, started here; the runs reach it through s3fs with AWS_ENDPOINT_URL). A run killed, its
+disk wiped, resumes from the bucket with the uninterrupted run's losses; an upload cut off half-way is never
+`latest`; --save_total_limit rotates the bucket; bad input is one line before anything is written."""
+
+import importlib.util
+import itertools
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from scripts.readme_commands import section_commands
+from src.checkpoint import checkpoint_dir
+from src.config import TrainConfig
+from tests.conftest import (
+    QUICK,
+    REPO,
+    assert_ok,
+    assert_processes,
+    free_port,
+    read_metrics,
+    run_command,
+    run_train,
+    run_with_hook,
+    signal_at,
+)
+from tests.test_checkpoint import train_losses
+from tests.test_docs import as_written, workspace
+from tests.test_errors import assert_error_line
+
+RUN = ["--max_steps", "8", "--logging_steps", "1", "--save_steps", "2", "--eval_steps", "1000"]  # 4 checkpoints
+BUCKETS = (f"bucket-{i}" for i in itertools.count())
+
+
+class S3:
+    """moto's S3 server on a free local port; `env`: what a run needs to reach it (fake credentials)."""
+
+    def __init__(self, endpoint: str):
+        import boto3
+
+        self.env = {
+            "AWS_ENDPOINT_URL": endpoint,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_EC2_METADATA_DISABLED": "true",  # no instance-metadata lookup for credentials
+            "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/credentials",  # nor this machine's own
+            "AWS_CONFIG_FILE": "/nonexistent/config",
+            "AWS_PROFILE": None,
+            "AWS_SESSION_TOKEN": None,
+        }
+        keys = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing", "region_name": "us-east-1"}
+        self.client = boto3.client("s3", endpoint_url=endpoint, **keys)  # the tests' own reader: boto3, not s3fs
+
+    def bucket(self) -> str:
+        name = next(BUCKETS)
+        self.client.create_bucket(Bucket=name)
+        return name
+
+    def keys(self, bucket: str, prefix: str = "") -> list[str]:
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+        return sorted(item["Key"] for page in pages for item in page.get("Contents", []))
+
+    def read(self, bucket: str, key: str) -> bytes:
+        return self.client.get_object(Bucket=bucket, Key=key)["Body"].read()
+
+    def checkpoints(self, bucket: str) -> dict[str, list[str]]:
+        """step_<N> -> the names of its files in the bucket's run/checkpoints/."""
+        found = {}
+        for key in self.keys(bucket, "run/checkpoints/"):
+            step, _, name = key.removeprefix("run/checkpoints/").partition("/")
+            found.setdefault(step, []).append(name)
+        return found
+
+
+@pytest.fixture(scope="module")
+def s3():
+    pytest.importorskip("s3fs")
+    server_module = pytest.importorskip("moto.server")
+    port = free_port()
+    server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield S3(f"http://127.0.0.1:{port}")
+    server.stop()
+
+
+def mirrored(out: Path, bucket: str, *more: str) -> list[str]:
+    return [*RUN, "--output_dir", str(out), "--output_mirror", f"s3://{bucket}/run", *more]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(s3, tmp_path_factory):
+    """One run to the end with a mirror: (its local run directory, its bucket, its per-step train losses)."""
+    out = tmp_path_factory.mktemp("full") / "run"
+    bucket = s3.bucket()
+    assert_ok(run_with_hook(out.parent, mirrored(out, bucket), env=s3.env))
+    return out, bucket, train_losses(out)[0]
+
+
+def assert_bucket_holds_the_run(s3, bucket: str, out: Path) -> None:
+    """model/, metrics.jsonl, config.yaml, eval_results.json and the kept checkpoints: byte for byte the local ones."""
+    local = sorted(
+        path.relative_to(out).as_posix()
+        for name in ("model", "checkpoints", "metrics.jsonl", "config.yaml", "eval_results.json")
+        for path in ([out / name] if (out / name).is_file() else (out / name).rglob("*"))
+        if path.is_file()
+    )
+    assert s3.keys(bucket, "run/") == [f"run/{name}" for name in local]
+    for name in local:
+        assert s3.read(bucket, f"run/{name}") == (out / name).read_bytes(), name
+
+
+@pytest.mark.slow
+def test_the_bucket_holds_the_run_rotated_like_the_disk(s3, uninterrupted, tmp_path):
+    """--save_total_limit 2 (the default): of the checkpoints at steps 2, 4, 6 and 8 the bucket keeps 6 and 8, as the
+    disk does; model/, metrics.jsonl and the rest are the local files. The run trains as one without a mirror."""
+    out, bucket, losses = uninterrupted
+    assert list(losses) == list(range(1, 9))
+    assert_ok(run_with_hook(tmp_path, [*RUN, "--output_dir", str(tmp_path / "plain")]))
+    assert train_losses(tmp_path / "plain")[0] == losses
+    assert (
+        sorted(s3.checkpoints(bucket))
+        == ["step_6", "step_8"]
+        == sorted(p.name for p in (out / "checkpoints").iterdir())
+    )
+    assert "model.safetensors" in s3.keys(bucket, "run/model/")[0]
+    assert_bucket_holds_the_run(s3, bucket, out)
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_from_the_bucket_on_an_empty_disk(s3, uninterrupted, tmp_path):
+    """SIGKILL at step 5, the local run directory deleted (a fresh machine), the same command again: it downloads
+    step_4 from the bucket and logs the uninterrupted run's per-step losses, bit for bit."""
+    out, bucket = tmp_path / "run", s3.bucket()
+    args = mirrored(out, bucket, "--resume_from_checkpoint", "latest")
+    killed = run_with_hook(tmp_path, args, signal_at(5), env=s3.env)
+    assert killed.returncode == -9
+    assert sorted(s3.checkpoints(bucket)) == ["step_2", "step_4"]
+    shutil.rmtree(out)
+
+    resumed = run_with_hook(tmp_path, args, env=s3.env)
+    assert_ok(resumed)
+    log = resumed.stdout + resumed.stderr
+    assert "downloading checkpoint step_4" in log and "at step 4" in log
+    losses, _ = train_losses(out)
+    assert list(losses) == list(range(1, 9))  # each step once: metrics.jsonl came from the bucket, up to step 4
+    assert losses == uninterrupted[2]
+    assert_bucket_holds_the_run(s3, bucket, out)
+
+
+@pytest.mark.slow
+def test_two_processes_upload_from_the_main_one_and_resume_from_the_bucket(s3, uninterrupted, tmp_path):
+    """DDP on 2 CPU processes: the main process uploads while the other waits, the resume on a wiped disk downloads
+    once for both; the per-step losses are the 1-process uninterrupted run's to 1e-5 (README: 1 = 2 processes)."""
+    out, bucket = tmp_path / "run", s3.bucket()
+    args = mirrored(out, bucket, "--resume_from_checkpoint", "latest")
+    killed = run_with_hook(tmp_path, args, signal_at(5), processes=2, env=s3.env)
+    assert killed.returncode != 0
+    assert sorted(s3.checkpoints(bucket)) == ["step_2", "step_4"]
+    shutil.rmtree(out)
+
+    resumed = run_with_hook(tmp_path, args, processes=2, env=s3.env)
+    assert_ok(resumed)
+    assert_processes(out, 2)
+    assert (resumed.stdout + resumed.stderr).count("downloading checkpoint step_4") == 1
+    losses, expected = train_losses(out)[0], uninterrupted[2]
+    assert list(losses) == list(expected) and max(abs(losses[s] - expected[s]) for s in losses) <= 1e-5
+    assert_bucket_holds_the_run(s3, bucket, out)
+
+
+UPLOAD_DIES = """
+import asyncio, s3fs
+put_file = s3fs.S3FileSystem._put_file
+pending = set()
+async def put_or_die(self, lpath, rpath, *args, **kwargs):  # step_4's optimizer.bin never arrives: SIGKILL once the
+    pending.add(rpath)                                       # rest of its batch is in the bucket
+    if rpath.endswith("/checkpoints/step_4/optimizer.bin"):
+        while len(pending) > 1:
+            await asyncio.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGKILL)
+    await put_file(self, lpath, rpath, *args, **kwargs)
+    pending.discard(rpath)
+s3fs.S3FileSystem._put_file = put_or_die
+"""
+
+
+@pytest.mark.slow
+def test_upload_killed_half_way_leaves_latest_at_the_previous_checkpoint(s3, uninterrupted, tmp_path):
+    """Killed while step_4 uploads (all but its optimiser state in the bucket): on a wiped disk `latest` is step_2,
+    the run goes on from there with the uninterrupted losses, and the half-uploaded step_4 is replaced."""
+    out, bucket = tmp_path / "run", s3.bucket()
+    args = mirrored(out, bucket, "--resume_from_checkpoint", "latest")
+    killed = run_with_hook(tmp_path, args, extra=UPLOAD_DIES, env=s3.env)
+    assert killed.returncode == -9
+    checkpoints = s3.checkpoints(bucket)
+    assert sorted(checkpoints) == ["step_2", "step_4"]
+    assert "trainer_state.json" in checkpoints["step_2"]
+    assert checkpoints["step_4"] == [
+        "config.yaml",
+        "custom_checkpoint_0.pkl",
+        "model.safetensors",
+        "random_states_0.pkl",
+    ]
+    shutil.rmtree(out)
+
+    resumed = run_with_hook(tmp_path, args, env=s3.env)
+    assert_ok(resumed)
+    log = resumed.stdout + resumed.stderr
+    assert "downloading checkpoint step_2" in log and "at step 2" in log
+    assert train_losses(out)[0] == uninterrupted[2]
+    assert_bucket_holds_the_run(s3, bucket, out)  # step_6 and step_8 only: no half of step_4 left
+
+
+# id -> (the run's --output_mirror given a bucket, the env on top of s3.env, what the error line says)
+BAD = {
+    "unreachable endpoint": (
+        lambda bucket: f"s3://{bucket}/run",
+        lambda: {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"},
+        r"cannot use --output_mirror s3://.*EndpointConnectionError.*AWS_ENDPOINT_URL",
+    ),
+    "missing bucket": (lambda bucket: "s3://no-such-bucket/run", dict, r"no such bucket .*create it first"),
+    "missing credentials": (
+        lambda bucket: f"s3://{bucket}/run",
+        lambda: {"AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None},
+        r"no credentials.*AWS_ACCESS_KEY_ID",
+    ),
+    "unknown protocol": (lambda bucket: "nosuch://bucket/run", dict, r"Protocol not known: nosuch"),
+    "library missing": (lambda bucket: "gs://bucket/run", dict, r"needs gcsfs: pip install gcsfs"),
+    "not a url": (lambda bucket: "bucket/run", dict, r"is not a URL; use one like s3://bucket/run"),
+}
+
+
+@pytest.mark.slow
+def test_an_output_dir_url_is_refused_with_the_mirror_option_named(tmp_path):
+    result = run_train(*QUICK, "--output_dir", "s3://bucket/run")
+    assert_error_line(result, r"--output_dir s3://bucket/run is a URL; .*--output_mirror s3://bucket/run")
+    assert not (REPO / "s3:").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", BAD)
+def test_bad_mirror_is_one_line_before_anything_is_written(s3, tmp_path, case):
+    if case == "library missing" and importlib.util.find_spec("gcsfs"):
+        pytest.skip("gcsfs is installed here")
+    url, env, pattern = BAD[case]
+    bucket, out = s3.bucket(), tmp_path / "run"
+    started = time.perf_counter()
+    result = run_train(*QUICK, "--output_dir", str(out), "--output_mirror", url(bucket), env={**s3.env, **env()})
+    assert_error_line(result, pattern)
+    assert time.perf_counter() - started < 20
+    assert not out.exists() and s3.keys(bucket) == []
+
+
+@pytest.mark.slow
+def test_a_bucket_holding_another_run_is_refused_unless_continued_or_replaced(s3, tmp_path):
+    bucket, out = s3.bucket(), tmp_path / "run"
+    s3.client.put_object(Bucket=bucket, Key="run/checkpoints/step_2/trainer_state.json", Body=b"{}")
+    refused = run_with_hook(tmp_path, [*QUICK, "--output_dir", str(out), "--output_mirror", f"s3://{bucket}/run"],
+                            env=s3.env)  # fmt: skip
+    assert_error_line(refused, r"already holds a run .*--resume_from_checkpoint latest.*--overwrite_output_dir")
+    assert not out.exists() and s3.keys(bucket) == ["run/checkpoints/step_2/trainer_state.json"]
+
+    replaced = run_with_hook(tmp_path, [*QUICK, "--output_dir", str(out), "--output_mirror", f"s3://{bucket}/run",
+                                        "--overwrite_output_dir", "true"], env=s3.env)  # fmt: skip
+    assert_ok(replaced)
+    assert sorted(s3.checkpoints(bucket)) == ["step_6"]  # the other run's step_2 removed: never this run's latest
+
+
+@pytest.mark.slow
+def test_docs_command_resumes_on_a_fresh_machine(s3, tmp_path):
+    """docs/resume.md's command as written, in a folder with its own runs/: a first start, the local runs/ deleted,
+    the same command again: it continues from the bucket's checkpoint."""
+    (command,) = section_commands("Checkpoints in object storage", page="docs/resume.md")
+    s3.client.create_bucket(Bucket="my-bucket")
+    cwd = workspace(tmp_path)
+    assert_ok(run_command([*as_written(command), *QUICK], cwd=cwd, env=s3.env))
+    shutil.rmtree(cwd / "runs")
+    second = run_command([*as_written(command), "--max_steps", "8", "--logging_steps", "2"], cwd=cwd, env=s3.env)
+    assert_ok(second)
+    assert "downloading checkpoint step_6" in second.stdout + second.stderr
+    steps = [row["step"] for row in read_metrics(cwd / "runs" / "exp1") if "train/loss" in row]
+    assert steps == [2, 4, 6, 8]
+    assert json.loads(s3.read("my-bucket", "exp1/metrics.jsonl").splitlines()[-1])["step"] == 8
+
+
+class MainProcess:
+    """The accelerator's part that src/object_storage.py uses, for one process."""
+
+    is_main_process, num_processes = True, 1
+
+    def wait_for_everyone(self):
+        pass
+
+
+def test_file_mirror_sends_the_trainer_state_last_and_fetches_the_newest_complete(tmp_path, monkeypatch):
+    """Without a server (file://): the upload's order; `latest` taken from checkpoints with a trainer state only,
+    with the best model's checkpoint that it names."""
+    import fsspec.implementations.local
+
+    from src.object_storage import fetch_checkpoint, upload_checkpoint
+
+    out, mirror = tmp_path / "run", tmp_path / "mirror"
+    config = TrainConfig(output_dir=str(out), output_mirror=f"file://{mirror}", resume_from_checkpoint="latest")
+    for step in (2, 4, 6):
+        checkpoint = checkpoint_dir(out, step)
+        (checkpoint / "model").mkdir(parents=True)
+        (checkpoint / "model.safetensors").write_text(f"weights {step}")
+        (checkpoint / "model" / "weights").write_text(f"exported {step}")
+        (checkpoint / "trainer_state.json").write_text(json.dumps({"step": step, "best_model_step": 2}))
+    (out / "metrics.jsonl").write_text('{"step": 6}\n')
+    sent = []
+    put = fsspec.implementations.local.LocalFileSystem.put
+    monkeypatch.setattr(
+        fsspec.implementations.local.LocalFileSystem,
+        "put",
+        lambda self, lpath, rpath, **kw: (sent.extend(Path(p).name for p in lpath), put(self, lpath, rpath, **kw)),
+    )
+    for step in (2, 4, 6):  # --save_total_limit 2 and the best model's step_2: all three stay
+        upload_checkpoint(MainProcess(), config, checkpoint_dir(out, step), keep_step=2)
+    assert sorted(sent[:2]) == ["model.safetensors", "weights"] and sent[2:4] == ["metrics.jsonl", "trainer_state.json"]
+    assert sorted(p.name for p in (mirror / "checkpoints").iterdir()) == ["step_2", "step_4", "step_6"]
+    (mirror / "checkpoints" / "step_6" / "trainer_state.json").unlink()  # as if its upload was cut off before the end
+    shutil.rmtree(out)
+    fetch_checkpoint(MainProcess(), config)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2", "step_4"]  # the latest, the best
+    assert (checkpoint_dir(out, 4) / "model" / "weights").read_text() == "exported 4"
+    assert (out / "metrics.jsonl").read_text() == '{"step": 6}\n'
