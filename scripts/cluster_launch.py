@@ -24,9 +24,22 @@ Missing or inconsistent variables are one `error:` line and exit code 2 before a
 import os
 import runpy
 import sys
+from typing import NamedTuple
 
 SKYPILOT_PORT = "29500"
 LAUNCH_FLAGS = ("--num_machines", "--machine_rank", "--main_process_ip", "--main_process_port", "--num_processes")
+
+
+class Node(NamedTuple):
+    """This node's place in the job, and the names of the variables it came from (for the error lines)."""
+
+    machines: int
+    rank: int
+    address: str
+    port: int
+    per_node: int  # processes on each node
+    rank_name: str
+    nodes_name: str
 
 
 class ClusterError(Exception):
@@ -49,7 +62,7 @@ def first(env: dict, *names: str) -> tuple[str, str | None]:
     return names[-1], None
 
 
-def kubeflow(env: dict) -> dict:
+def kubeflow(env: dict) -> Node:
     nodes_value = env.get("PET_NNODES", "")
     if ":" in nodes_value:  # an elasticPolicy: a range of pods, which accelerate launch's fixed counts can't express
         raise ClusterError(f"PET_NNODES={nodes_value!r} is an elastic range; remove the PyTorchJob's elasticPolicy")
@@ -58,16 +71,16 @@ def kubeflow(env: dict) -> dict:
     if per_node_value == "auto":
         raise ClusterError('PET_NPROC_PER_NODE is "auto"; set the PyTorchJob\'s nprocPerNode to the GPUs per pod')
     per_node = integer("PET_NPROC_PER_NODE", per_node_value, 1)
-    rank = integer(*first(env, "PET_NODE_RANK", "RANK"), 0)
+    rank_name, rank_value = first(env, "PET_NODE_RANK", "RANK")
+    rank = integer(rank_name, rank_value, 0)
     address_name, address = first(env, "PET_MASTER_ADDR", "MASTER_ADDR")
     if not address:
         raise ClusterError(f"{address_name} is not set")
     port = integer(*first(env, "PET_MASTER_PORT", "MASTER_PORT"), 1)
-    return {"machines": nodes, "rank": rank, "address": address, "port": port, "per_node": per_node,
-            "rank_name": first(env, "PET_NODE_RANK", "RANK")[0], "nodes_name": "PET_NNODES"}  # fmt: skip
+    return Node(nodes, rank, address, port, per_node, rank_name=rank_name, nodes_name="PET_NNODES")
 
 
-def skypilot(env: dict) -> dict:
+def skypilot(env: dict) -> Node:
     nodes = integer("SKYPILOT_NUM_NODES", env.get("SKYPILOT_NUM_NODES"), 1)
     rank = integer("SKYPILOT_NODE_RANK", env.get("SKYPILOT_NODE_RANK"), 0)
     ips = (env.get("SKYPILOT_NODE_IPS") or "").split()
@@ -75,8 +88,8 @@ def skypilot(env: dict) -> dict:
         raise ClusterError(f"SKYPILOT_NODE_IPS lists {len(ips)} addresses for SKYPILOT_NUM_NODES={nodes}")
     gpus = integer("SKYPILOT_NUM_GPUS_PER_NODE", env.get("SKYPILOT_NUM_GPUS_PER_NODE"), 0)
     port = integer("MAIN_PROCESS_PORT", env.get("MAIN_PROCESS_PORT", SKYPILOT_PORT), 1)
-    return {"machines": nodes, "rank": rank, "address": ips[0], "port": port, "per_node": max(gpus, 1),
-            "rank_name": "SKYPILOT_NODE_RANK", "nodes_name": "SKYPILOT_NUM_NODES"}  # fmt: skip
+    return Node(nodes, rank, ips[0], port, max(gpus, 1), rank_name="SKYPILOT_NODE_RANK",
+                nodes_name="SKYPILOT_NUM_NODES")  # fmt: skip
 
 
 def launch_args(env: dict) -> list[str]:
@@ -87,10 +100,10 @@ def launch_args(env: dict) -> list[str]:
         raise ClusterError(f"found {found} of PET_NNODES (Kubeflow) and SKYPILOT_NUM_NODES (SkyPilot); run this in "
                            "a PyTorchJob pod or a SkyPilot task, or launch with scripts/launch.py")  # fmt: skip
     node = kubeflow(env) if is_kubeflow else skypilot(env)
-    if node["rank"] >= node["machines"]:
-        raise ClusterError(f"{node['rank_name']}={node['rank']} is not below {node['nodes_name']}={node['machines']}")
-    values = [node["machines"], node["rank"], node["address"], node["port"], node["machines"] * node["per_node"]]
-    return [word for flag, value in zip(LAUNCH_FLAGS, values) for word in (flag, str(value))]
+    if node.rank >= node.machines:
+        raise ClusterError(f"{node.rank_name}={node.rank} is not below {node.nodes_name}={node.machines}")
+    values = [node.machines, node.rank, node.address, node.port, node.machines * node.per_node]
+    return [word for flag, value in zip(LAUNCH_FLAGS, values, strict=True) for word in (flag, str(value))]
 
 
 def main() -> None:

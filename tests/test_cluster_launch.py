@@ -92,7 +92,7 @@ def test_skypilot_task_runs_the_documented_command_on_every_node():
 
 
 def flags(args: list[str]) -> dict[str, str]:
-    return dict(zip(args[::2], args[1::2]))
+    return dict(zip(args[::2], args[1::2], strict=True))
 
 
 @pytest.mark.parametrize(
