@@ -12,8 +12,8 @@ pod or node. The address is always passed: without it `accelerate launch` in a P
 Kubeflow Training Operator (PyTorchJob; Trainer v2's TrainJob sets the same PET_ variables):
     PET_NNODES (pods), PET_NPROC_PER_NODE (processes per pod), PET_NODE_RANK (RANK in older operators),
     PET_MASTER_ADDR and PET_MASTER_PORT (MASTER_ADDR and MASTER_PORT in older operators).
-    The operator's own WORLD_SIZE and RANK are not read: WORLD_SIZE is the process count in newer operators and
-    the pod count in older ones, and RANK is the pod's index, not a process rank.
+    The operator's WORLD_SIZE is not read: it is the process count in newer operators and the pod count in older
+    ones. Its RANK is the pod's index, not a process's; torchrun gives every process its own RANK and WORLD_SIZE.
 SkyPilot:
     SKYPILOT_NUM_NODES, SKYPILOT_NODE_RANK, SKYPILOT_NODE_IPS (one address a line, the head node first),
     SKYPILOT_NUM_GPUS_PER_NODE (0 on a CPU node: one process); the port is MAIN_PROCESS_PORT (default 29500).
@@ -116,8 +116,6 @@ def main() -> None:
     except ClusterError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # the pod's, not a process's: torchrun sets each process's own
-        os.environ.pop(name, None)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from scripts.launch import exit_if_unusable
 
