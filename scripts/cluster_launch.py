@@ -6,8 +6,8 @@ the launch's machine count, machine rank, main address and port, and process cou
 The arguments are `accelerate launch`'s (scripts/launch.py checks the config file first); this script adds
 `--num_machines --machine_rank --main_process_ip --main_process_port --num_processes` (machines x processes per
 node) from the environment, which deploy/kubernetes/pytorchjob.yaml and deploy/skypilot/train.yaml run in every
-pod or node. The address is always passed: without it `accelerate launch` in a PyTorchJob pod rendezvouses on
-127.0.0.1, each pod alone (accelerate issue #3414).
+pod or node. The address is always passed: without it `accelerate launch --multi_gpu` in PyTorchJob pods sets
+MASTER_ADDR to 127.0.0.1, where the pods cannot reach each other (accelerate issue #3414).
 
 Kubeflow Training Operator (PyTorchJob; Trainer v2's TrainJob sets the same PET_ variables):
     PET_NNODES (pods), PET_NPROC_PER_NODE (processes per pod), PET_NODE_RANK (RANK in older operators),
