@@ -16,13 +16,25 @@ import pytest
 import yaml
 
 from scripts.cluster_launch import ClusterError, launch_args
-from tests.conftest import REPO, assert_ok, assert_processes, command_env, free_port, read_metrics, run_train, series
+from tests.conftest import (
+    REPO,
+    WRAPPER,
+    assert_ok,
+    assert_processes,
+    command_env,
+    free_port,
+    read_metrics,
+    run_train,
+    series,
+    signal_at,
+)
 from tests.test_errors import assert_error_line
 
 PYTORCHJOB = REPO / "deploy" / "kubernetes" / "pytorchjob.yaml"
 SKYPILOT = REPO / "deploy" / "skypilot" / "train.yaml"
 # 8 steps of the default digits example at the learning rate where 1 and 2 processes agree to float rounding
-SAME_RUN = ["--learning_rate", "1e-3", "--max_steps", "8", "--logging_steps", "1", "--eval_steps", "1000"]
+SAME_RUN = ["--learning_rate", "1e-3", "--max_steps", "8", "--logging_steps", "1", "--eval_steps", "1000",
+            "--save_steps", "4"]  # fmt: skip
 # what the operator sets in a PyTorchJob pod besides PET_NODE_RANK/RANK (kubeflow/training-operator
 # pkg/controller.v1/pytorch/envvar.go, master.go): WORLD_SIZE is replicas x nprocPerNode
 KUBEFLOW_POD = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "WORLD_SIZE": "2", "PYTHONUNBUFFERED": "0"}
@@ -30,6 +42,13 @@ KUBEFLOW_POD = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "WORLD_SIZE": "2",
 
 def pytorchjob() -> dict:
     return {doc["kind"]: doc for doc in yaml.safe_load_all(PYTORCHJOB.read_text())}
+
+
+def pod_command() -> list[str]:
+    """The Master pod's command (the Worker's is the same: one pod template)."""
+    return pytorchjob()["PyTorchJob"]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0][
+        "command"
+    ]
 
 
 def docs_yaml(heading: str) -> dict:
@@ -161,11 +180,12 @@ def test_the_script_refuses_with_one_line_before_anything_starts(tmp_path):
 # --- 2 pods on this machine, trained as 1 process ---
 
 
-def start_pods(output_dir, pod_env: list[dict]) -> list[subprocess.CompletedProcess]:
-    """One `python scripts/cluster_launch.py ...` per pod, all at once (each waits for the others at the
-    rendezvous), with the manifest's accelerate config and a shared output_dir, as on the claim."""
-    command = [sys.executable, "scripts/cluster_launch.py", "--config_file", "accelerate_configs/multi_node.yaml",
-               "train.py", *SAME_RUN, "--output_dir", str(output_dir)]  # fmt: skip
+def start_pods(manifest_command: list[str], output_dir, pod_env: list[dict], script: str = "train.py"):
+    """The manifest's command in every pod, all at once (each waits for the others at the rendezvous), shortened
+    and with a shared output_dir (the claim); `script` in place of train.py."""
+    assert manifest_command[:2] == ["python", "scripts/cluster_launch.py"], manifest_command
+    words = [script if word == "train.py" else word for word in manifest_command[1:]]
+    command = [sys.executable, *words, *SAME_RUN, "--output_dir", str(output_dir)]
     pods = [subprocess.Popen(command, cwd=REPO, env=command_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, stdin=subprocess.DEVNULL) for env in pod_env]  # fmt: skip
     results = []
@@ -183,17 +203,25 @@ def start_pods(output_dir, pod_env: list[dict]) -> list[subprocess.CompletedProc
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     out = tmp_path_factory.mktemp("one") / "run"
-    assert_ok(run_train(*SAME_RUN, "--output_dir", str(out)))
+    assert_ok(run_train("--config", "configs/default.yaml", *SAME_RUN, "--output_dir", str(out)))
     return out
 
 
 @pytest.fixture(scope="module")
 def kubeflow_pods(tmp_path_factory):
-    """The master pod (PET_NODE_RANK 0, RANK 0) and the worker (1, 1), rendezvous at the master's address."""
-    out, port = tmp_path_factory.mktemp("kubeflow") / "run", str(free_port())
+    """The master pod (PET_NODE_RANK 0, RANK 0) and the worker (1, 1), rendezvous at the master's address. Their
+    processes are killed at step 5 (checkpoint at 4) and the pods started again with the same command, as
+    `restartPolicy: OnFailure` restarts them: the second start resumes."""
+    folder = tmp_path_factory.mktemp("kubeflow")
+    out, port = folder / "run", str(free_port())
     address = {"PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": port, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
     pods = [{**KUBEFLOW_POD, **address, "PET_NODE_RANK": rank, "RANK": rank} for rank in ("0", "1")]
-    return out, start_pods(out, pods)
+    killed = folder / "killed_at_step_5.py"
+    killed.write_text(WRAPPER.format(repo=str(REPO), hook=signal_at(5), extra=""))
+    first = start_pods(pod_command(), out, pods, script=str(killed))
+    assert all(pod.returncode != 0 for pod in first), [pod.returncode for pod in first]
+    assert (out / "checkpoints" / "step_4").is_dir() and not (out / "checkpoints" / "step_8").exists()
+    return out, start_pods(pod_command(), out, pods)
 
 
 @pytest.fixture(scope="module")
@@ -202,21 +230,24 @@ def skypilot_nodes(tmp_path_factory):
     out = tmp_path_factory.mktemp("skypilot") / "run"
     node = {"SKYPILOT_NUM_NODES": "2", "SKYPILOT_NODE_IPS": "127.0.0.1\n127.0.0.2", "SKYPILOT_NUM_GPUS_PER_NODE": "0",
             "MAIN_PROCESS_PORT": str(free_port())}  # fmt: skip
-    return out, start_pods(out, [{**node, "SKYPILOT_NODE_RANK": rank} for rank in ("0", "1")])
+    command = shlex.split(yaml.safe_load(SKYPILOT.read_text())["run"])
+    return out, start_pods(command, out, [{**node, "SKYPILOT_NODE_RANK": rank} for rank in ("0", "1")])
 
 
 def assert_trained_as_one_process(run, one_process):
     out, pods = run
     for pod in pods:
         assert_ok(pod)
-    assert_processes(out, 2)  # the 2 pods formed one group: not 2 separate 1-process runs
+    assert_processes(out, 2)  # every start: the 2 pods formed one group, not 2 separate 1-process runs
     losses, reference = (series(read_metrics(path), "train/loss") for path in (out, one_process))
-    assert list(losses) == list(reference) == list(range(1, 9))
+    assert list(losses) == list(reference) == list(range(1, 9))  # each step once, a restart included
     assert max(abs(losses[step] - reference[step]) for step in reference) <= 1e-5
 
 
 @pytest.mark.slow
-def test_two_kubeflow_pods_train_as_one_process(kubeflow_pods, one_process):
+def test_two_kubeflow_pods_killed_and_restarted_train_as_one_process(kubeflow_pods, one_process):
+    out, _ = kubeflow_pods
+    assert [row["setup/world_size"] for row in read_metrics(out) if "setup/world_size" in row] == [2, 2]  # 2 starts
     assert_trained_as_one_process(kubeflow_pods, one_process)
 
 
