@@ -2,9 +2,9 @@
 scripts/cluster_launch.py, which maps the cluster's variables onto `accelerate launch`.
 
 No cluster runs here. The manifests are parsed (kinds, replicas, restart policy, the repository paths they name,
-their command = the one docs/launching.md shows); the mapping is run for real: 2 "pods" (or nodes) are 2 local
-processes, each with the variables the operator (or SkyPilot) would set, 1 CPU process each, and must train as
-1 process does.
+their command = the one docs/launching.md shows); the mapping is run for real: the manifest's command runs in 2
+"pods" (or nodes), 2 local processes, each with the variables the operator (or SkyPilot) would set, 1 CPU process
+each, and must train as 1 process does; the Kubeflow pods are killed once and restarted, and must resume.
 """
 
 import re
