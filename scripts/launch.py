@@ -65,13 +65,18 @@ def check_machine(config) -> str | None:
     return None
 
 
-def main() -> None:
-    args = sys.argv[1:]
+def exit_if_unusable(args: list[str]) -> None:
+    """One `error:` line and exit code 2 when the launch's config file can't run here."""
     path = config_file_argument(args)
     problem = check_config_file(path) if path else None
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    exit_if_unusable(args)
     os.execv(sys.executable, [sys.executable, "-m", "accelerate.commands.launch", *args])
 
 
