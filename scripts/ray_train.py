@@ -4,7 +4,7 @@
     python scripts/ray_train.py --address auto --num_workers 8 --use_gpu --config_file accelerate_configs/fsdp.yaml
 
 This script's own options are below; every other argument goes to train.py (`--config`, `--max_steps`, ...).
-Without `--address` it starts a local Ray cluster; `--address auto` (or `host:port`) joins a running one, whose
+Without `--address` it starts a new local Ray cluster (for this run only); `--address auto` (or `host:port`) joins a running one, whose
 nodes must see this repository and `--output_dir` at the same paths (a shared file system, as with SLURM).
 
 Ray's own AccelerateTrainer is deprecated (Ray 2.8), so each worker builds its Accelerator inside train.main as any
@@ -126,7 +126,7 @@ def run(argv: list[str], worker_setup=None) -> None:
 
     try:
         ray.init(
-            address=options.address,
+            address=options.address or "local",  # "local": a new cluster, never one some `ray start` left running
             include_dashboard=False if options.address is None else None,
             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}},
         )
@@ -155,9 +155,10 @@ def run(argv: list[str], worker_setup=None) -> None:
         ray.shutdown()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None, worker_setup=None) -> None:
+    """The command line: `run`, with a stop for a known reason as its one line and exit code."""
     try:
-        run(sys.argv[1:])
+        run(sys.argv[1:] if argv is None else argv, worker_setup)
     except RunStopped as err:
         print(f"{err.prefix}: {err}", file=sys.stderr, flush=True)
         sys.exit(err.exit_code)
