@@ -4,8 +4,8 @@
     python scripts/ray_train.py --address auto --num_workers 8 --use_gpu --config_file accelerate_configs/fsdp.yaml
 
 This script's own options are below; every other argument goes to train.py (`--config`, `--max_steps`, ...).
-Without `--address` it starts a new local Ray cluster (for this run only); `--address auto` (or `host:port`) joins a running one, whose
-nodes must see this repository and `--output_dir` at the same paths (a shared file system, as with SLURM).
+Without `--address` it starts a new local Ray cluster for this run; `--address auto` (or `host:port`) joins a running
+one, whose nodes must see this repository and `--output_dir` at the same paths (a shared file system, as with SLURM).
 
 Ray's own AccelerateTrainer is deprecated (Ray 2.8), so each worker builds its Accelerator inside train.main as any
 launch does. No `accelerate launch` reads the accelerate config here: this script reads it with Accelerate's own
@@ -56,7 +56,11 @@ def launch_environment(config_file: str | None, num_workers: int) -> dict[str, s
     import warnings
 
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
+    from accelerate.utils.launch import (
+        prepare_deepspeed_cmd_env,
+        prepare_multi_gpu_env,
+        prepare_simple_launcher_cmd_env,
+    )
 
     flags = ["--config_file", config_file] if config_file else []
     args = launch_command_parser().parse_args([*flags, "--num_processes", str(num_workers), "train.py"])
@@ -131,7 +135,7 @@ def run(argv: list[str], worker_setup=None) -> None:
             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}},
         )
     except ConnectionError as err:
-        raise UsageError(f"no Ray cluster at --address {options.address} ({err}); start one with `ray start --head`")
+        raise UsageError(f"no Ray cluster at --address {options.address} ({err}); start one with `ray start --head`") from err
     job = {"cwd": os.getcwd(), "repo": str(REPO), "environment": environment, "train_args": train_args,
            "setup": worker_setup}  # fmt: skip
     trainer = TorchTrainer(
