@@ -135,7 +135,8 @@ def run(argv: list[str], worker_setup=None) -> None:
             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}},
         )
     except ConnectionError as err:
-        raise UsageError(f"no Ray cluster at --address {options.address} ({err}); start one with `ray start --head`") from err
+        hint = "start one with `ray start --head`"
+        raise UsageError(f"no Ray cluster at --address {options.address} ({err}); {hint}") from err
     job = {"cwd": os.getcwd(), "repo": str(REPO), "environment": environment, "train_args": train_args,
            "setup": worker_setup}  # fmt: skip
     trainer = TorchTrainer(
