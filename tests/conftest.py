@@ -111,6 +111,14 @@ def series(rows: list[dict], key: str) -> dict[int, float]:
     return {row["step"]: row[key] for row in rows if key in row}
 
 
+def logged_losses(output_dir: Path) -> dict[int, float]:
+    """step -> train/loss of a run, each step logged once (a resumed run must not repeat one)."""
+    rows = read_metrics(output_dir)
+    steps = [row["step"] for row in rows if "train/loss" in row]
+    assert steps == sorted(set(steps)), f"a step was logged twice: {steps}"
+    return series(rows, "train/loss")
+
+
 def assert_ok(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, (
         f"exit {result.returncode}\n--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-5000:]}"

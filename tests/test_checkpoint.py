@@ -9,6 +9,7 @@ from tests.conftest import (
     assert_ok,
     assert_processes,
     launch_command,
+    logged_losses,
     read_metrics,
     run_command,
     run_with_hook,
@@ -20,10 +21,8 @@ RUN = ["--max_steps", "60", "--logging_steps", "1", "--save_steps", "10", "--eva
 
 
 def train_losses(output_dir):
-    rows = read_metrics(output_dir)
-    steps = [row["step"] for row in rows if "train/loss" in row]
-    assert steps == sorted(set(steps)), "a step was logged twice"
-    return series(rows, "train/loss"), series(rows, "eval/accuracy")
+    """(step -> train/loss, each step once; step -> eval/accuracy)."""
+    return logged_losses(output_dir), series(read_metrics(output_dir), "eval/accuracy")
 
 
 @pytest.fixture(scope="module")

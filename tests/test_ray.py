@@ -9,7 +9,16 @@ import sys
 import pytest
 
 from scripts.readme_commands import section_commands
-from tests.conftest import REPO, assert_ok, assert_processes, free_port, read_metrics, run_command, run_train, series
+from tests.conftest import (
+    REPO,
+    assert_ok,
+    assert_processes,
+    free_port,
+    logged_losses,
+    read_metrics,
+    run_command,
+    run_train,
+)
 from tests.test_errors import assert_error_line
 
 pytest.importorskip("ray.train")
@@ -56,13 +65,6 @@ def docs_command() -> list[str]:
     return [sys.executable, *words[1:]]
 
 
-def train_losses(output_dir) -> dict[int, float]:
-    rows = read_metrics(output_dir)
-    steps = [row["step"] for row in rows if "train/loss" in row]
-    assert steps == sorted(set(steps)), f"a step was logged twice: {steps}"
-    return series(rows, "train/loss")
-
-
 def assert_close(losses: dict, expected: dict) -> None:
     assert list(losses) == list(expected) == list(range(1, 21))
     assert max(abs(losses[step] - expected[step]) for step in expected) <= 1e-5
@@ -72,7 +74,7 @@ def assert_close(losses: dict, expected: dict) -> None:
 def one_process(tmp_path_factory):
     out = tmp_path_factory.mktemp("one") / "run"
     assert_ok(run_train(*SAME_RUN, "--output_dir", str(out)))
-    return train_losses(out)
+    return logged_losses(out)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +101,7 @@ def test_killed_worker_is_restarted_and_the_run_resumes(killed_run, one_process)
     assert_processes(out, 2)  # both starts: 2 workers each, one DDP group (not two trainings, not one process)
     assert len([row for row in read_metrics(out) if "setup/world_size" in row]) == 2  # one restart
     assert read_metrics(out)[0]["setup/strategy"] == "DDP"
-    assert_close(train_losses(out), one_process)
+    assert_close(logged_losses(out), one_process)
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("metrics.jsonl")) == ["metrics.jsonl"]
     assert (out / "ray").is_dir()  # Ray's own files: under the run's folder
 

@@ -19,6 +19,7 @@ from tests.conftest import (
     assert_ok,
     assert_processes,
     free_port,
+    logged_losses,
     read_metrics,
     run_command,
     run_python,
@@ -100,13 +101,6 @@ RUN = ["--max_steps", "40", "--logging_steps", "1", "--save_steps", "10", "--eva
        "--per_device_train_batch_size", "16", "--global_batch_size", "64", "--shuffle_buffer_size", "300"]  # fmt: skip
 
 
-def train_losses(output_dir) -> dict[int, float]:
-    rows = read_metrics(output_dir)
-    steps = [row["step"] for row in rows if "train/loss" in row]
-    assert steps == sorted(set(steps)), "a step was logged twice"
-    return series(rows, "train/loss")
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, shards):
     runs = {}
@@ -146,7 +140,7 @@ def test_sigkill_mid_stream_then_resume_matches_uninterrupted(tmp_path, shards, 
     assert_ok(resumed)
     assert_processes(out, processes)  # both starts
     assert "resuming from" in resumed.stdout + resumed.stderr
-    expected, losses = series(uninterrupted[processes, workers], "train/loss"), train_losses(out)
+    expected, losses = series(uninterrupted[processes, workers], "train/loss"), logged_losses(out)
     assert list(expected) == list(losses) == list(range(1, 41))
     if processes == 1:
         assert losses == expected  # bit for bit
