@@ -48,7 +48,7 @@ from src.distributed import (
 )
 from src.errors import TrainingPreempted, command_line
 from src.fast_path import DirectOptimizer, train_data
-from src.final_model import model_to_evaluate, save_final_model
+from src.final_model import export_model, model_to_evaluate, save_final_model
 from src.hub import check_hub_push, push_to_hub
 from src.meters import TrainMeters, step_profiler
 from src.metrics import load_metrics
@@ -171,7 +171,7 @@ def train(config: TrainConfig) -> dict:
     meters = TrainMeters(accelerator, task, model, run.torch_optimizer, config, state)
     best = BestEvaluation(config, state)  # a new best model is checkpointed; early stopping
     progress, profiler = progress_bar(accelerator, total_steps, initial=step), step_profiler(config, accelerator)
-    export = partial(task.save_model, accelerator, run.saved_model) if task.export_checkpoints else None
+    export = partial(export_model, accelerator, task, run.saved_model) if task.export_checkpoints else None
     data = train_data(accelerator, run.train_loader, config, task.collate_fn())  # by index where it can
     windows = train_windows(data, accumulation, position) if step < total_steps else []  # [] for a finished run
     norm_every_step = bool(config.max_grad_norm or config.skip_nonfinite_batches)  # else at log steps only

@@ -1,21 +1,24 @@
-"""Is the template's loop as fast as a hand-written PyTorch loop? Measure it, side by side.
+"""Is the template's loop as fast and as light as a hand-written PyTorch loop? Measure it, side by side.
 
     python scripts/benchmark.py --output b.json                 # the digits CNN, 1 process, CPU
     python scripts/benchmark.py --model linear                  # tiny model: per-step overhead dominates
     python scripts/benchmark.py --processes 2                   # DDP on CPU (gloo) through the launchers
     python scripts/benchmark.py --device cuda                   # on a GPU
 
-Three sides train the same model on the same data with the same batch, optimiser, LR schedule and clipping:
-`raw`, a minimal PyTorch loop over a DataLoader (the naive hand-written loop); `raw_index`, the same loop batching
-by index (one gather per batch from the tensors: the best raw loop); `template`, `train.main`, what
-`python train.py` runs. Each runs in a fresh process, in the order raw, raw_index, template, raw, ... under each of
-two conditions: `default`, what a user gets (torch's default threads, no allocator settings), and `tuned` (one
-thread per process and the allocator settings below: the least noisy). Samples/s is timed at every optimiser step
-(the LR scheduler's step), over the steps after the first quarter. Reported per condition and side: samples/s
-(median, min, max over rounds), time from the spawn to the first optimiser step, whole-process wall (spawn to exit),
-peak memory (CUDA allocated, or the resident set of the process, rank 0 on N processes); and the ratios of each
-round's pair of runs (seconds apart, so drift of the machine cancels), their median as `ratios`. `runs` hold every
-run's numbers, with `steps`, the optimiser steps it recorded (every side: --steps).
+Four sides train the same model on the same data with the same batch, optimiser, LR schedule and clipping:
+`raw`, a minimal PyTorch loop over a DataLoader (the textbook loop); `raw_index`, the same loop batching by index
+(one gather per batch from the tensors: the best raw loop); `accelerate`, the plain Accelerate loop of its examples
+(`prepare`, `accelerator.backward`, `accelerator.clip_grad_norm_`); `template`, `train.main`, what `python train.py`
+runs. The hand-written sides are standalone: they import torch, pyarrow to read the Parquet file, the network's own
+file (src/models/digits_cnn.py, plain torch) and, for `accelerate`, accelerate; nothing of the template. Each side
+runs in a fresh process, in the order raw, raw_index, accelerate, template, raw, ... under each of two conditions:
+`default`, what a user gets (torch's default threads, no allocator settings), and `tuned` (one thread per process
+and the allocator settings below: the least noisy). Samples/s is timed at every optimiser step (the LR scheduler's
+step), over the steps after the first quarter. Reported per condition and side: samples/s (median, min, max over
+rounds), time from the spawn to the first optimiser step, whole-process wall (spawn to exit), peak memory (CUDA
+allocated, or the resident set of the process, rank 0 on N processes), the packages it imported; and the ratios of
+each round's pair of runs (seconds apart, so drift of the machine cancels), their median as `ratios`. `runs` hold
+every run's numbers, with `steps`, the optimiser steps it recorded (every side: --steps).
 """
 
 import time
@@ -23,7 +26,9 @@ import time
 STARTED, START_PERF = time.time(), time.perf_counter()  # before heavy imports: startup counts from the spawn
 
 import argparse  # noqa: E402
+import gc  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -35,8 +40,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-SIDES = ("raw", "raw_index", "template")
+SIDES = ("raw", "raw_index", "accelerate", "template")
+HAND_WRITTEN = ("raw", "raw_index", "accelerate")
 CONDITIONS = ("default", "tuned")
+DATA = REPO / "data/digits/train.parquet"
+NOT_PACKAGES = {*sys.stdlib_module_names, "cython_runtime"}  # left out of a run's `imports`
 
 
 def parse_args(argv=None):
@@ -53,12 +61,13 @@ def parse_args(argv=None):
     parser.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, help=argparse.SUPPRESS)  # the child's: None is torch's default
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--recipe", type=json.loads, help=argparse.SUPPRESS)  # the child's: recipe(), as JSON
     args = parser.parse_args(argv)
     args.steps = args.steps or (600 if args.model == "cnn" else 3000)
     return args
 
 
-# --- what all sides share: timestamps at each optimiser step, the settings ---
+# --- what all sides share: timestamps at each optimiser step, the recipe ---
 
 
 def record_step_times() -> list[float]:
@@ -79,18 +88,28 @@ def record_step_times() -> list[float]:
 
 
 def summarize(times: list[float], batch: int, device) -> dict:
-    from src.meters import peak_memory_gb
+    """This run's numbers, and the packages it imported (outside the standard library)."""
+    import resource
+
+    import torch
 
     steady = times[len(times) // 4 :]
+    if device.type == "cuda":
+        peak_gb = torch.cuda.max_memory_allocated(device) / 2**30
+    else:
+        peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kilobytes on Linux
     return {
         "samples_per_s": (len(steady) - 1) * batch / (steady[-1] - steady[0]),
         "steps": len(times),
         "first_step_at": STARTED + (times[0] - START_PERF),
-        "peak_memory_gb": peak_memory_gb(device),
+        "peak_memory_gb": peak_gb,
+        "imports": sorted({name.split(".")[0] for name in sys.modules if not name.startswith("_")} - NOT_PACKAGES),
+        "src_modules": sorted(name for name in sys.modules if name == "src" or name.startswith("src.")),
     }
 
 
 def training_config(args, output_dir: str):
+    """The template's config of this benchmark; the hand-written sides get its numbers as recipe()."""
     from src.cli import resolve
     from src.config import TrainConfig
 
@@ -112,32 +131,79 @@ def training_config(args, output_dir: str):
     )
 
 
-# --- the raw loops: (a) over a DataLoader, (b) by index ---
+def recipe(args) -> dict:
+    """What the hand-written sides must train with to match the template: its defaults, read once by the parent."""
+    config = training_config(args, "unused")
+    names = ("seed", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "warmup_steps", "logging_steps")
+    assert config.lr_scheduler_type == "cosine", "the hand-written sides implement the default schedule: cosine"
+    task = config.task_args
+    return {name: getattr(config, name) for name in names} | {"norm": task.get("norm", "group")}
+
+
+def warmup_cosine(step: int, total_steps: int, warmup_steps: int) -> float:
+    """The template's default LR multiplier, written by hand: linear warmup, then cosine to 0."""
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# --- the hand-written sides: (a) over a DataLoader, (b) by index, (c) the plain Accelerate loop ---
+
+
+def read_digits(device):
+    """The digits' train split as tensors, read the way a hand-written script does."""
+    import pyarrow.parquet as pq
+    import torch
+
+    table = pq.read_table(DATA).to_pydict()
+    images = torch.tensor(table["pixels"], dtype=torch.float32).div(16.0).view(-1, 1, 8, 8)
+    return images.to(device), torch.tensor(table["label"]).to(device)
+
+
+def build_network(args, recipe: dict):
+    """The template's network for --model, from its own file (plain torch), under the recipe's seed."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(recipe["seed"])
+    if args.model == "linear":
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+    from src.models.digits_cnn import DigitsCNN  # imports torch only
+
+    return DigitsCNN(num_labels=10, norm=recipe["norm"])
+
+
+def adamw_and_schedule(model, args, recipe: dict):
+    """AdamW without weight decay on 1-D parameters (biases, norms), warmup + cosine: the template's defaults."""
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": recipe["weight_decay"]},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    betas = (recipe["adam_beta1"], recipe["adam_beta2"])
+    optimizer = torch.optim.AdamW(groups, lr=recipe["learning_rate"], betas=betas)
+    schedule = lambda step: warmup_cosine(step, args.steps, recipe["warmup_steps"])  # noqa: E731
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
 def run_raw(args, by_index: bool) -> dict:
-    import pyarrow.parquet as pq
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-    from src.optim import build_optimizer, build_scheduler
-    from src.tasks import build_task
 
     times = record_step_times()
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", "0")) if args.device == "cuda" else None)
     if world > 1:
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-    config = training_config(args, "unused")
-    table = pq.read_table(REPO / "data/digits/train.parquet").to_pydict()
-    images = torch.tensor(table["pixels"], dtype=torch.float32).div(16.0).view(-1, 1, 8, 8)
-    labels = torch.tensor(table["label"])
-    batch = args.batch // world
+    seed, batch = args.recipe["seed"], args.batch // world
     if by_index:  # (b): the data on the device, a batch is one gather by a slice of the epoch's permutation
-        images, labels = images.to(device), labels.to(device)
-        generator = torch.Generator().manual_seed(config.seed)
+        images, labels = read_digits(device)
+        generator = torch.Generator().manual_seed(seed)
         per_epoch = len(labels) // args.batch
 
         def epoch_batches(epoch: int):
@@ -145,8 +211,8 @@ def run_raw(args, by_index: bool) -> dict:
             for indices in order[rank::world].split(batch):  # this process's share of each global batch
                 yield images[indices], labels[indices]
     else:  # (a): the textbook loop, a DataLoader over a TensorDataset
-        dataset = TensorDataset(images, labels)
-        sampler = DistributedSampler(dataset, seed=config.seed, drop_last=True) if world > 1 else None
+        dataset = TensorDataset(*read_digits("cpu"))
+        sampler = DistributedSampler(dataset, seed=seed, drop_last=True) if world > 1 else None
         loader = DataLoader(dataset, batch_size=batch, shuffle=sampler is None, sampler=sampler, drop_last=True)
 
         def epoch_batches(epoch: int):
@@ -155,10 +221,8 @@ def run_raw(args, by_index: bool) -> dict:
             for inputs, targets in loader:
                 yield inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
 
-    torch.manual_seed(config.seed)
-    model = build_task(config).build_model().to(device)  # the same network, none of the template's loop
-    optimizer = build_optimizer(model, config)
-    scheduler = build_scheduler(optimizer, config, args.steps)
+    model = build_network(args, args.recipe).to(device)
+    optimizer, scheduler = adamw_and_schedule(model, args, args.recipe)
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
     step, epoch, loss_sum = 0, 0, torch.zeros((), device=device)
@@ -166,14 +230,14 @@ def run_raw(args, by_index: bool) -> dict:
         for inputs, targets in epoch_batches(epoch):
             loss = F.cross_entropy(model(inputs), targets)
             loss.backward()
-            if config.max_grad_norm:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+            if args.max_grad_norm:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             loss_sum += loss.detach()
             step += 1
-            if step % config.logging_steps == 0:
+            if step % args.recipe["logging_steps"] == 0:
                 loss_sum.item()  # the same host sync per log interval as the template's
                 loss_sum.zero_()
             if step == args.steps:
@@ -182,7 +246,46 @@ def run_raw(args, by_index: bool) -> dict:
     return summarize(times, args.batch, device)
 
 
-# --- (c) the template: train.main, exactly what `python train.py` runs ---
+def run_accelerate(args) -> dict:
+    """(c) The loop of Accelerate's examples (examples/cv_example.py): prepare, accelerator.backward, its clipping."""
+    import torch
+    import torch.nn.functional as F
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader, TensorDataset
+
+    times = record_step_times()
+    accelerator = Accelerator(cpu=args.device == "cpu")  # cpu=True: gloo DDP on N CPU processes, not N copies
+    torch.manual_seed(args.recipe["seed"])
+    loader = DataLoader(TensorDataset(*read_digits("cpu")), batch_size=args.batch // accelerator.num_processes,
+                        shuffle=True, drop_last=True)  # fmt: skip
+    model = build_network(args, args.recipe)
+    optimizer, scheduler = adamw_and_schedule(model, args, args.recipe)
+    # The scheduler is not prepared: Accelerate's would step it once per process per optimiser step
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    step, epoch, loss_sum = 0, 0, torch.zeros((), device=accelerator.device)
+    while step < args.steps:
+        loader.set_epoch(epoch)
+        for inputs, targets in loader:
+            loss = F.cross_entropy(model(inputs), targets)
+            accelerator.backward(loss)
+            if args.max_grad_norm:
+                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            loss_sum += loss.detach()
+            step += 1
+            if step % args.recipe["logging_steps"] == 0:
+                loss_sum.item()
+                loss_sum.zero_()
+            if step == args.steps:
+                break
+        epoch += 1
+    accelerator.end_training()
+    return summarize(times, args.batch, accelerator.device)
+
+
+# --- (d) the template: train.main, exactly what `python train.py` runs ---
 
 
 def run_template(args) -> dict:
@@ -191,6 +294,7 @@ def run_template(args) -> dict:
 
     with tempfile.TemporaryDirectory() as output_dir:
         train.main(training_config(args, output_dir))
+    gc.freeze()  # the quick exit train.py's __main__ ends with
     import torch
 
     device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", "0")) if args.device == "cuda" else None)
@@ -202,7 +306,12 @@ def child_main(args) -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-    result = run_template(args) if args.child == "template" else run_raw(args, by_index=args.child == "raw_index")
+    if args.child == "template":
+        result = run_template(args)
+    elif args.child == "accelerate":
+        result = run_accelerate(args)
+    else:
+        result = run_raw(args, by_index=args.child == "raw_index")
     if int(os.environ.get("RANK", "0")) == 0:
         args.result.write_text(json.dumps(result))
 
@@ -228,9 +337,11 @@ def child_command(args, side: str, condition: str, result: Path) -> list[str]:
     ]
     if condition == "tuned":
         options += ["--threads", "1"]
+    if side in HAND_WRITTEN:
+        options += ["--recipe", json.dumps(args.recipe)]
     if args.processes == 1:
         return [sys.executable, *script, *options]
-    if side == "template":
+    if side in ("accelerate", "template"):
         launcher = [
             "-m",
             "accelerate.commands.launch",
@@ -285,20 +396,26 @@ def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-RATIOS = {  # name: (numerator side, denominator side, what is compared; for wall and memory, lower is better)
+RATIOS = {  # name: (numerator side, denominator side, what is compared; for time and memory, lower is better)
     "template/raw": ("template", "raw", "samples_per_s"),
     "template/raw_index": ("template", "raw_index", "samples_per_s"),
+    "template/accelerate": ("template", "accelerate", "samples_per_s"),
     "raw_index/raw": ("raw_index", "raw", "samples_per_s"),
+    "accelerate/raw": ("accelerate", "raw", "samples_per_s"),
     "wall template/raw": ("template", "raw", "wall_s"),
-    "wall template/raw_index": ("template", "raw_index", "wall_s"),
+    "wall template/accelerate": ("template", "accelerate", "wall_s"),
+    "wall accelerate/raw": ("accelerate", "raw", "wall_s"),
+    "first step template/accelerate": ("template", "accelerate", "seconds_to_first_step"),
     "memory template/raw": ("template", "raw", "peak_memory_gb"),
+    "memory accelerate/raw": ("accelerate", "raw", "peak_memory_gb"),
 }
 
 
 def summarize_condition(runs: dict) -> dict:
     report = {
         side: {key: spread([r[key] for r in results]) for key in ("samples_per_s", "seconds_to_first_step", "wall_s")}
-        | {"peak_memory_gb": max(r["peak_memory_gb"] for r in results), "runs": results}
+        | {"peak_memory_gb": max(r["peak_memory_gb"] for r in results), "imports": results[0]["imports"]}
+        | {"runs": results}
         for side, results in runs.items()
     }
     rounds = {
@@ -315,6 +432,7 @@ def main(argv=None) -> dict:
     if args.child:
         child_main(args)
         return {}
+    args.recipe = recipe(args)
     runs = {condition: {side: [] for side in SIDES} for condition in args.conditions}
     for round_index in range(args.rounds):
         for condition in args.conditions:
@@ -322,12 +440,16 @@ def main(argv=None) -> dict:
                 runs[condition][side].append(run_side(args, side, condition))
             speeds = ", ".join(f"{side} {runs[condition][side][-1]['samples_per_s']:9.0f}" for side in SIDES)
             print(f"round {round_index + 1}/{args.rounds} {condition}: samples/s {speeds}", flush=True)
-    settings = {k: v for k, v in vars(args).items() if k not in ("child", "result", "output", "threads")}
-    report = {"settings": settings, "conditions": {c: summarize_condition(runs[c]) for c in args.conditions}}
-    for condition, measured in report["conditions"].items():
+    settings = {k: v for k, v in vars(args).items() if k not in ("child", "result", "output", "threads", "recipe")}
+    conditions = {condition: summarize_condition(runs[condition]) for condition in args.conditions}
+    report = {"settings": settings, "recipe": args.recipe, "conditions": conditions}
+    for condition, measured in conditions.items():
         ratios = ", ".join(f"{name} {value:.3f}" for name, value in measured["ratios"].items())
+        print(f"{condition}: {ratios} (medians of {args.rounds} rounds)")
         first = ", ".join(f"{side} {measured[side]['seconds_to_first_step']['median']:.2f} s" for side in SIDES)
-        print(f"{condition}: {ratios} (medians of {args.rounds} rounds); first step: {first}")
+        wall = ", ".join(f"{side} {measured[side]['wall_s']['median']:.2f} s" for side in SIDES)
+        memory = ", ".join(f"{side} {measured[side]['peak_memory_gb'] * 1024:.0f} MB" for side in SIDES)
+        print(f"{condition}: first step {first}; wall {wall}; peak memory {memory}")
     if args.output:
         args.output.write_text(json.dumps(report, indent=2))
     return report

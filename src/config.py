@@ -96,7 +96,7 @@ class TrainConfig:
     early_stopping_metric: str = "eval/loss"  # any logged eval key
     early_stopping_mode: Literal["min", "max"] = "min"  # whether lower or higher is better
     profile_steps: int = 0  # > 0: record a torch.profiler trace of that many steps to output_dir/profile/
-    metrics: list[str] | None = None  # evaluate metrics: src/evaluate_metrics/<name> or a path; None: the task's
+    metrics: list[str] | None = None  # accuracy (built in), src/evaluate_metrics/<name>, a path; None: the task's
 
     def __post_init__(self):
         self.report_to = normalize_report_to(self.report_to)

@@ -31,27 +31,94 @@ def load_splits(config: TrainConfig, names: list[str] | None = None):
 
     datasets.disable_progress_bars()
     names = names or [config.train_split, config.eval_split]
-    splits = None if reads_local_files(config) else load_hub_dataset(config)
-    available = list(splits if splits is not None else config.data_files)
-    missing = [name for name in names if name not in available]
-    if missing:
-        raise missing_split(config, missing[0], available)
-    if splits is None:  # local files: only those of the named splits are read
-        files = {split: config.data_files[split] for split in names}
-        builder = file_builder(files)
-        if config.dataset_name not in (None, builder):
-            raise UsageError(f"--dataset_name {config.dataset_name} does not read {builder} data_files; drop it")
+    local = local_files(config, names)
+    if local is None:
+        splits = load_hub_dataset(config)
+        missing = [name for name in names if name not in splits]
+        if missing:
+            raise missing_split(config, missing[0], list(splits))
+    else:  # local files: only those of the named splits are read
+        files, builder = local
         if builder == FOLDER_BUILDER:  # datasets reads a folder's files through a pattern
             files = {split: str(Path(folder) / "**") for split, folder in files.items()}
         try:
             splits = datasets.load_dataset(builder, data_files=files)
         except datasets.exceptions.DatasetGenerationError as err:
-            cause = " ".join(str(err.__cause__ or err).split())
-            raise UsageError(f"could not read the {builder} data files ({cause}); check --data_files") from err
+            raise unreadable(builder, err.__cause__ or err) from err
     for split in names:
-        if len(splits[split]) == 0:
-            raise UsageError(f"the {split!r} split is empty; point --data_files or --dataset_name at data with rows")
+        check_rows(len(splits[split]), split)
     return splits
+
+
+def load_tables(config: TrainConfig, names: list[str] | None = None) -> dict:
+    """The splits `names` (default: train and eval) as pyarrow Tables, for tasks that turn columns into tensors
+    (`column_tensor`). Local Parquet files are read by pyarrow itself, as datasets' Parquet builder does, without
+    importing `datasets` (~0.3 s before the first step, docs/benchmark.md); all other data through load_splits."""
+    names = names or [config.train_split, config.eval_split]
+    local = local_files(config, names)
+    if local is None or local[1] != "parquet":
+        splits = load_splits(config, names)
+        return {name: splits[name].data.table for name in names}
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tables = {}
+    for split, path in local[0].items():
+        try:
+            tables[split] = pq.ParquetFile(path).read()  # one file; read_table would import pyarrow.dataset, pandas
+        except pa.ArrowException as err:
+            raise unreadable("parquet", err) from err
+        check_rows(tables[split].num_rows, split)
+    return tables
+
+
+def local_files(config: TrainConfig, names: list[str]) -> tuple[dict[str, str], str] | None:
+    """The data files of splits `names` and their `datasets` builder; None for a Hub dataset. A split the files lack,
+    a missing file or a --dataset_name that doesn't read them: a UsageError."""
+    if not reads_local_files(config):
+        return None
+    missing = [name for name in names if name not in config.data_files]
+    if missing:
+        raise missing_split(config, missing[0], list(config.data_files))
+    files = {split: config.data_files[split] for split in names}
+    builder = file_builder(files)
+    if config.dataset_name not in (None, builder):
+        raise UsageError(f"--dataset_name {config.dataset_name} does not read {builder} data_files; drop it")
+    return files, builder
+
+
+def unreadable(builder: str, cause: BaseException) -> UsageError:
+    return UsageError(f"could not read the {builder} data files ({' '.join(str(cause).split())}); check --data_files")
+
+
+def check_rows(rows: int, split: str) -> None:
+    if rows == 0:
+        raise UsageError(f"the {split!r} split is empty; point --data_files or --dataset_name at data with rows")
+
+
+def column_tensor(table, name: str, split: str):
+    """Column `name` of a pyarrow Table as a tensor, as datasets' torch format gives it: numbers 1-D, lists of one
+    length 2-D, missing floats NaN. Through DLPack: pyarrow's to_numpy() would import pandas (~0.3 s). Other missing
+    values, lists of different lengths or values that are not numbers: a UsageError naming the column."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import torch
+
+    column = table.column(name).combine_chunks()
+    shape = (len(column),)
+    if pa.types.is_list(column.type) or pa.types.is_large_list(column.type) or pa.types.is_fixed_size_list(column.type):
+        if column.null_count or len(pc.unique(pc.list_value_length(column))) > 1:
+            raise UsageError(f"column {name!r} of the {split} split holds lists of different lengths or none")
+        column, shape = column.flatten(), (len(column), -1)
+    if column.null_count and pa.types.is_floating(column.type):  # as datasets gives them: NaN
+        column = pc.fill_null(column, float("nan"))
+    if column.null_count:
+        raise UsageError(f"column {name!r} has {column.null_count} missing values in the {split} split; fill them")
+    if pa.types.is_boolean(column.type):  # bit-packed: DLPack takes bytes
+        return column_tensor(pa.table({name: pc.cast(column, pa.uint8())}), name, split).view(shape).bool()
+    if not (pa.types.is_integer(column.type) or pa.types.is_floating(column.type)):
+        raise UsageError(f"column {name!r} of the {split} split holds {column.type}, not numbers; choose other columns")
+    return torch.from_dlpack(column.__dlpack__(max_version=(1, 0))).view(shape).clone()  # Arrow's memory: read-only
 
 
 def reads_local_files(config: TrainConfig) -> bool:

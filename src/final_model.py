@@ -1,23 +1,33 @@
 """The final model: `output_dir/model/` in the task's format, written from every process's shards, and read back
 (`--model_name_or_path` a run, its model/ or a checkpoint)."""
 
+import contextlib
 import json
 from dataclasses import replace
 from pathlib import Path
 
 import yaml
+from accelerate.utils import DistributedType
 
 from src.config import TrainConfig
 from src.errors import UsageError
+from src.imports import hidden
 from src.run_dir import CONFIG_FILE, MODEL_DIR, STATE_FILE
 
 
 def save_final_model(accelerator, task, model, output_dir: Path) -> Path:
     """The task's format (safetensors by default), gathered from every process (FSDP/DeepSpeed shards included)."""
     model_dir = output_dir / MODEL_DIR
-    task.save_model(accelerator, model, model_dir)
+    export_model(accelerator, task, model, model_dir)
     accelerator.wait_for_everyone()
     return model_dir
+
+
+def export_model(accelerator, task, model, directory: Path) -> None:
+    """task.save_model into `directory` (model/, or a checkpoint's model/). Unless the run is DeepSpeed, deepspeed
+    looks uninstalled meanwhile: Accelerate's unwrap_model would import it only to find no DeepSpeedEngine."""
+    with contextlib.nullcontext() if accelerator.distributed_type == DistributedType.DEEPSPEED else hidden("deepspeed"):
+        task.save_model(accelerator, model, directory)
 
 
 LABELS_FILE = "labels.json"  # class names beside weights whose own config has none (a plain network, an adapter)

@@ -1,46 +1,82 @@
-"""Evaluation metrics as `evaluate` modules. Names resolve to the local modules in src/evaluate_metrics/ first.
+"""Evaluation metrics: `accuracy` built in, any other name an `evaluate` module (src/evaluate_metrics/<name> first,
+then a path or the Hub).
 
 Every process computes the metric on the SAME gathered predictions (see `evaluate` in train.py), so
-all processes agree on the result: no "4 accuracies on 4 GPUs".
+all processes agree on the result: no "4 accuracies on 4 GPUs". A metric is an object with evaluate's two calls,
+`add_batch(predictions=..., references=...)` per batch and `compute()` -> {name: value} once per evaluation.
 """
 
-import sys
 import uuid
 from pathlib import Path
+
+import numpy as np
+
+from src.imports import hidden
 
 LOCAL_METRICS = Path(__file__).parent / "evaluate_metrics"
 
 
+class Accuracy:
+    """The fraction of predictions equal to their reference, over everything added since the last compute(). Built in
+    because the classification tasks use it by default: a run that needs no other metric never imports `evaluate`
+    (and `datasets` with it, ~0.3 s before the first step: docs/benchmark.md)."""
+
+    def __init__(self):
+        self.correct, self.total = 0, 0
+
+    def add_batch(self, predictions, references) -> None:
+        self.correct += int(np.count_nonzero(np.asarray(predictions) == np.asarray(references)))
+        self.total += len(references)
+
+    def compute(self) -> dict:
+        result = {"accuracy": self.correct / self.total if self.total else 0.0}
+        self.correct, self.total = 0, 0  # as evaluate's compute(): the next evaluation starts empty
+        return result
+
+
+BUILT_IN = {"accuracy": Accuracy}
+
+
+class Metrics:
+    """Several metrics as one: each gets every batch, compute() merges their results."""
+
+    def __init__(self, metrics: list):
+        self.metrics = metrics
+
+    def add_batch(self, predictions, references) -> None:
+        for metric in self.metrics:
+            metric.add_batch(predictions=predictions, references=references)
+
+    def compute(self) -> dict:
+        return {name: value for metric in self.metrics for name, value in metric.compute().items()}
+
+
 def load_metrics(names: list[str]):
-    """One `evaluate` object computing all `names` (None if there are none); a name that isn't local is passed
-    to `evaluate.load` as is."""
+    """One object computing all `names` (None if there are none): the built-in ones, and one `evaluate` combination
+    of the others, each a local module name, a path to one or a name `evaluate.load` takes as is."""
     if not names:
         return None
-    evaluate = import_evaluate()
-
-    # A fresh experiment id per load: processes on one machine never wait on each other's cache-file locks.
-    # (keep_in_memory=True would avoid the files, but fails on Python 3.12.3: its fingerprint pickles pyarrow types.)
-    experiment = uuid.uuid4().hex
-    modules = []
-    for name in names:
-        local = LOCAL_METRICS / name
-        modules.append(evaluate.load(str(local) if local.is_dir() else name, experiment_id=experiment))
-    return evaluate.combine(modules)
+    metrics = [BUILT_IN[name]() for name in names if name in BUILT_IN]
+    others = [name for name in names if name not in BUILT_IN]
+    if others:
+        evaluate = import_evaluate()
+        # A fresh experiment id per load: processes on one machine never wait on each other's cache-file locks.
+        # (keep_in_memory=True would avoid the files, but fails on Python 3.12.3: its fingerprint pickles pyarrow types)
+        experiment = uuid.uuid4().hex
+        modules = []
+        for name in others:
+            local = LOCAL_METRICS / name
+            modules.append(evaluate.load(str(local) if local.is_dir() else name, experiment_id=experiment))
+        metrics.append(evaluate.combine(modules))
+    return metrics[0] if len(metrics) == 1 else Metrics(metrics)
 
 
 def import_evaluate():
     """`import evaluate` without importing transformers (most of a second of CPU, docs/benchmark.md): evaluate
-    imports it, if it can, only for its pipeline `evaluator`s, which metrics do not use. A None in sys.modules makes
-    that optional import fail for the moment of the import; a task that uses transformers has loaded it already."""
-    if "transformers" in sys.modules:
-        import evaluate
-
-        return evaluate
+    imports it, if it can, only for its pipeline `evaluator`s, which metrics do not use (src/imports.py); a task
+    that uses transformers has loaded it already."""
     import datasets  # noqa: F401  (first: it asks whether transformers is installed without importing it)
 
-    sys.modules["transformers"] = None
-    try:
+    with hidden("transformers"):
         import evaluate
-    finally:
-        del sys.modules["transformers"]
     return evaluate

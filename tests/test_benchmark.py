@@ -1,17 +1,26 @@
 """The benchmark script runs every side for the same steps under each condition and reports what it measured (speed
-is measured by the script, not asserted here)."""
+is measured by the script, not asserted here); its hand-written sides stand alone and train the template's recipe."""
 
 import json
 import statistics
 
 import pytest
 
+from scripts.benchmark import RATIOS, SIDES, warmup_cosine
+from src.optim import lr_factor
 from tests.conftest import assert_ok, run_python
+
+
+def test_the_hand_written_schedule_is_the_templates():
+    for total, warmup in ((40, 20), (3000, 20), (600, 0)):
+        assert [warmup_cosine(s, total, warmup) for s in range(total + 2)] == [
+            lr_factor(s, total, warmup, "cosine") for s in range(total + 2)
+        ]
 
 
 @pytest.mark.slow
 def test_benchmark_writes_its_report(tmp_path):
-    """One condition of the two (each is the same code with other settings), 2 rounds of the 3 sides."""
+    """One condition of the two (each is the same code with other settings), 2 rounds of the 4 sides."""
     output = tmp_path / "b.json"
     result = run_python("scripts/benchmark.py", "--model", "linear", "--rounds", "2", "--steps", "40",
                         "--conditions", "tuned", "--output", str(output))  # fmt: skip
@@ -20,18 +29,23 @@ def test_benchmark_writes_its_report(tmp_path):
     assert report["settings"] == {"model": "linear", "rounds": 2, "steps": 40, "batch": 64, "processes": 1,
                                   "device": "cpu", "conditions": ["tuned"],
                                   "max_grad_norm": 1.0}  # fmt: skip
+    assert report["recipe"]["learning_rate"] == 3e-3 and report["recipe"]["warmup_steps"] == 20  # TrainConfig's
     assert list(report["conditions"]) == ["tuned"]
     for condition, measured in report["conditions"].items():
-        runs = {side: measured[side]["runs"] for side in ("raw", "raw_index", "template")}
+        runs = {side: measured[side]["runs"] for side in SIDES}
         for side_runs in runs.values():
             assert len(side_runs) == 2
             for run in side_runs:
                 assert run["steps"] == 40  # every side trained (and timed) every one of the --steps optimiser steps
                 assert run["samples_per_s"] > 0 and run["peak_memory_gb"] > 0
                 assert 0 < run["seconds_to_first_step"] < run["wall_s"]
-        for name, top, bottom, key in (("template/raw", "template", "raw", "samples_per_s"),
-                                       ("template/raw_index", "template", "raw_index", "samples_per_s"),
-                                       ("wall template/raw", "template", "raw", "wall_s")):  # fmt: skip
+        for side in ("raw", "raw_index", "accelerate"):  # standalone: nothing of the template, nor its libraries
+            for run in runs[side]:
+                assert not {"datasets", "evaluate", "jsonargparse", "train"} & set(run["imports"]), side
+                assert ("accelerate" in run["imports"]) == (side == "accelerate")
+                assert run["src_modules"] == [], side  # the linear model is built inline; the CNN's file is plain torch
+        assert {"accelerate", "jsonargparse", "src", "train"} <= set(runs["template"][0]["imports"])
+        for name, (top, bottom, key) in RATIOS.items():
             round_ratios = [a[key] / b[key] for a, b in zip(runs[top], runs[bottom], strict=True)]
             assert measured["round_ratios"][name] == round_ratios
             assert measured["ratios"][name] == statistics.median(round_ratios)

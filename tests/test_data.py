@@ -11,6 +11,7 @@ import torch
 from src.cli import resolve
 from src.config import TrainConfig
 from src.data import build_dataloaders as make_loaders
+from src.data import column_tensor, load_tables
 from src.errors import UsageError
 from src.tasks import build_task
 from tests.conftest import REPO
@@ -97,6 +98,39 @@ def test_csv_with_other_column_names(tmp_path):
     assert eval_y.tolist() == train_y.tolist() == [0, 1, 2, 0, 1, 2]
     for (csv_x, csv_y), (parquet_x, parquet_y) in zip(loaded["csv"], loaded["parquet"], strict=True):
         assert torch.equal(csv_x, parquet_x) and torch.equal(csv_y, parquet_y)
+
+
+def test_parquet_columns_are_the_tensors_datasets_gives(tmp_path):
+    """Tensor tasks read Parquet with pyarrow (no `datasets` import): every column type they take comes out as
+    datasets' torch format has it (floats compared in its float32), missing floats as NaN."""
+    import datasets
+
+    frame = pd.DataFrame({
+        "ints": [3, -1, 7], "floats": [0.5, np.nan, 1e-8], "flags": [True, False, True],
+        "lists": [[1, 2], [3, 4], [5, 6]], "float_lists": [[0.1, 0.2], [0.3, 0.4], [0.5, np.nan]],
+    })  # fmt: skip
+    frame.to_parquet(tmp_path / "t.parquet")
+    table = load_tables(config_for({"train": tmp_path / "t.parquet"}), ["train"])["train"]
+    reference = datasets.Dataset.from_parquet(str(tmp_path / "t.parquet")).with_format("torch")[:]
+    for name in frame.columns:
+        ours, theirs = column_tensor(table, name, "train"), reference[name]
+        assert ours.shape == theirs.shape and ours.dtype.is_floating_point == theirs.dtype.is_floating_point, name
+        torch.testing.assert_close(ours.to(theirs.dtype), theirs, rtol=0, atol=0, equal_nan=True, msg=name)
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (["a", "b"], "column 'x' of the train split holds string, not numbers"),
+        ([1, None], "column 'x' has 1 missing values in the train split"),
+        ([[1], [1, 2]], "column 'x' of the train split holds lists of different lengths"),
+    ],
+)
+def test_a_column_that_is_no_tensor_is_a_usage_error(values, message):
+    import pyarrow as pa
+
+    with pytest.raises(UsageError, match=message):
+        column_tensor(pa.table({"x": values}), "x", "train")
 
 
 def write_split_files(tmp_path, frame: pd.DataFrame) -> dict:

@@ -5,7 +5,7 @@
         class Options:                      # typed options: --flags, YAML keys, saved in config.yaml
             hidden_size: int = 64           # the comment is the --help text
 
-        metrics = ["accuracy"]              # evaluate modules (src/evaluate_metrics/<name> or a path)
+        metrics = ["accuracy"]              # built in; others: evaluate modules (src/evaluate_metrics/<name>, a path)
 
         def build_datasets(self): ...       # (train, eval) torch Datasets; the data config is self.config
         def build_model(self): ...          # an nn.Module (a plain network: src/models/)
@@ -30,7 +30,7 @@ from pathlib import Path
 from traceback import walk_tb
 from typing import TYPE_CHECKING, ClassVar
 
-from src.data import load_splits
+from src.data import load_tables
 from src.errors import RunStopped, TaskFailed, UsageError, describe
 from src.final_model import load_weights
 
@@ -56,7 +56,7 @@ class Task:
     """
 
     Options: ClassVar[type] = NoOptions  # a dataclass; its fields become --flags (names must differ from TrainConfig's)
-    metrics: ClassVar[list[str]] = []  # evaluate metrics computed from eval_outputs' predictions and references
+    metrics: ClassVar[list[str]] = []  # src/metrics.py names, computed from eval_outputs' predictions and references
     # "mean": loss() is the micro-batch's mean. "sum": loss() is the sum over its count_items(batch) terms (tokens),
     # and the loop divides by the terms of the whole global batch (all micro-batches, all processes), so padded
     # batches of different lengths train the same on 1 and N processes.
@@ -127,8 +127,8 @@ class Task:
         """The id of each row build_eval_dataset(split, labelled=False) holds, in order, for predictions.jsonl; None
         without ids. Default: the split's `--id_column` read with src/data.py's loaders (Parquet, CSV, JSON, the
         Hub), None where the split has no such column. A task that reads other data returns its own."""
-        data = load_splits(self.config, [split])[split]
-        return data[self.config.id_column] if self.config.id_column in data.column_names else None
+        table = load_tables(self.config, [split])[split]
+        return table.column(self.config.id_column).to_pylist() if self.config.id_column in table.column_names else None
 
     def prediction_rows(self, outputs: dict[str, torch.Tensor]) -> list[dict]:
         """The gathered predict() outputs -> one JSON-ready row per sample (e.g. a class id -> its label name)."""

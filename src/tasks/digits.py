@@ -12,7 +12,7 @@ from typing import Literal
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from src.data import check_columns, load_splits
+from src.data import check_columns, column_tensor, load_tables
 from src.models.digits_cnn import DigitsCNN
 from src.tasks.classification import ClassificationTask, check_labels
 
@@ -29,22 +29,21 @@ class Digits(ClassificationTask):
     default_data_files = {"train": "data/digits/train.parquet", "eval": "data/digits/eval.parquet"}
 
     def build_datasets(self) -> tuple[TensorDataset, TensorDataset]:
-        splits = load_splits(self.config)
-        return self.to_tensors(splits, self.config.train_split), self.to_tensors(splits, self.config.eval_split)
+        tables = load_tables(self.config)
+        return self.to_tensors(tables, self.config.train_split), self.to_tensors(tables, self.config.eval_split)
 
     def build_eval_dataset(self, split: str, labelled: bool = True) -> TensorDataset:
-        return self.to_tensors(load_splits(self.config, [split]), split, labelled)
+        return self.to_tensors(load_tables(self.config, [split]), split, labelled)
 
-    def to_tensors(self, splits, name: str, labelled: bool = True) -> TensorDataset:
+    def to_tensors(self, tables, name: str, labelled: bool = True) -> TensorDataset:
         """One split -> (inputs, labels), or (inputs,) unlabelled: 64 pixel values 0..16 -> 1x8x8 floats in [0, 1]."""
-        split, options = splits[name], self.options
-        wanted = [options.input_column, *([options.label_column] if labelled else [])]
-        check_columns(split, wanted, "--input_column / --label_column")
-        columns = split.with_format("torch", columns=wanted)[:]
-        inputs = columns[options.input_column].float().div(16.0).view(-1, 1, 8, 8)
+        table, options = tables[name], self.options
+        check_columns(table, [options.input_column, *([options.label_column] if labelled else [])],
+                      "--input_column / --label_column")  # fmt: skip
+        inputs = column_tensor(table, options.input_column, name).float().div(16.0).view(-1, 1, 8, 8)
         if not labelled:
             return TensorDataset(inputs)
-        labels = columns[options.label_column].long()
+        labels = column_tensor(table, options.label_column, name).long()
         check_labels(labels, options.num_labels, name)
         return TensorDataset(inputs, labels)
 

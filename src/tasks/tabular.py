@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from src.data import check_columns, load_splits
+from src.data import check_columns, column_tensor, load_tables
 from src.errors import UsageError
 from src.models.mlp import mlp
 from src.tasks.classification import ClassificationTask, check_labels
@@ -35,11 +35,10 @@ class Tabular(ClassificationTask):
                     raise UsageError(f"--{name} must be > 0 (got {getattr(self, name)})")
 
     def build_datasets(self) -> tuple[TensorDataset, TensorDataset]:
-        splits = load_splits(self.config)
-        train, evals = splits[self.config.train_split], splits[self.config.eval_split]
-        self.features = self.options.features or [c for c in train.column_names if c != self.options.label_column]
-        label = self.options.label_column
-        (train_x, train_y), (eval_x, eval_y) = self.to_tensors(train, label), self.to_tensors(evals, label)
+        tables, label = load_tables(self.config), self.options.label_column
+        train, evals = self.config.train_split, self.config.eval_split
+        self.features = self.options.features or [c for c in tables[train].column_names if c != label]
+        (train_x, train_y), (eval_x, eval_y) = (self.to_tensors(tables, name, label) for name in (train, evals))
         self.num_labels = self.options.num_labels or int(train_y.max()) + 1
         check_labels(train_y, self.num_labels, self.config.train_split)
         check_labels(eval_y, self.num_labels, self.config.eval_split)
@@ -48,10 +47,10 @@ class Tabular(ClassificationTask):
 
     def build_eval_dataset(self, split: str, labelled: bool = True) -> TensorDataset:
         """Without training: the features and labels as named; the standardisation comes with the saved model."""
-        data = load_splits(self.config, [split])[split]
-        label = self.options.label_column if labelled else None
-        self.features = self.options.features or [c for c in data.column_names if c != self.options.label_column]
-        inputs, labels = self.to_tensors(data, label)
+        tables, label = load_tables(self.config, [split]), self.options.label_column
+        self.features = self.options.features or [c for c in tables[split].column_names if c != label]
+        label = label if labelled else None
+        inputs, labels = self.to_tensors(tables, split, label)
         self.num_labels = self.options.num_labels or (int(labels.max()) + 1 if labelled else None)
         if self.num_labels is None:
             raise UsageError("set --num_labels: without training or labels, the model's size is not known")
@@ -60,12 +59,12 @@ class Tabular(ClassificationTask):
         self.mean, self.std = torch.zeros(len(self.features)), torch.ones(len(self.features))  # replaced on loading
         return TensorDataset(inputs, labels) if labelled else TensorDataset(inputs)
 
-    def to_tensors(self, split, label: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def to_tensors(self, tables, split: str, label: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(features, labels) of one split; `label` None: features only."""
-        check_columns(split, [*self.features, *filter(None, [label])], "--features / --label_column")
-        columns = split.with_format("torch", columns=[*self.features, *filter(None, [label])])[:]
-        features = torch.stack([columns[f].float() for f in self.features], dim=1)
-        return features, columns[label].long() if label else None
+        table = tables[split]
+        check_columns(table, [*self.features, *filter(None, [label])], "--features / --label_column")
+        features = torch.stack([column_tensor(table, f, split).float() for f in self.features], dim=1)
+        return features, column_tensor(table, label, split).long() if label else None
 
     def build_model(self) -> nn.Module:  # after the datasets: sized by the features and labels found there
         network = mlp(len(self.features), self.num_labels, self.options.hidden_size, self.options.num_layers)

@@ -1,0 +1,47 @@
+"""A run imports what it uses and nothing else (src/imports.py, the light start measured in docs/benchmark.md)."""
+
+import importlib
+import importlib.util
+import json
+import sys
+
+import pytest
+
+from src.imports import hidden
+from tests.conftest import QUICK, assert_ok, run_python
+
+
+def test_hidden_makes_a_package_look_uninstalled_for_the_moment(tmp_path, monkeypatch):
+    (tmp_path / "probed_package").mkdir()
+    (tmp_path / "probed_package" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with hidden("probed_package"):
+        assert importlib.util.find_spec("probed_package") is None  # what an availability probe asks
+        with pytest.raises(ImportError):
+            importlib.import_module("probed_package")
+    assert "probed_package" not in sys.modules and importlib.util.find_spec("probed_package") is not None
+    module = importlib.import_module("probed_package")
+    with hidden("probed_package"):  # imported already: left as it is
+        assert importlib.import_module("probed_package") is module
+    del sys.modules["probed_package"]
+
+
+NOT_USED = ["datasets", "evaluate", "pandas", "pyarrow.dataset", "transformers", "deepspeed", "mlflow", "wandb"]
+PROBE = """
+import json, sys
+from train import main
+main({args!r})
+print(json.dumps(sorted(name for name in {names!r} if name in sys.modules)))
+"""
+
+
+@pytest.mark.slow
+def test_a_default_run_imports_only_what_it_uses(tmp_path):
+    """The digits example in a fresh process, with its final eval, checkpoint and model save: none of the libraries
+    it doesn't use, though all are installed here (deepspeed: Accelerate's unwrap would import it, mlflow with it)."""
+    for name in ("datasets", "evaluate", "deepspeed"):
+        assert importlib.util.find_spec(name) is not None, f"{name} is not installed: the check would prove nothing"
+    result = run_python("-c", PROBE.format(args=[*QUICK, "--output_dir", str(tmp_path / "run")], names=NOT_USED))
+    assert_ok(result)
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+    assert (tmp_path / "run" / "model" / "model.safetensors").is_file()

@@ -1,0 +1,47 @@
+"""Metrics: the built-in accuracy is exact over every batch added, and combines with `evaluate` modules."""
+
+import numpy as np
+
+from src.metrics import Accuracy, load_metrics
+
+ERROR_RATE = """
+import datasets
+import evaluate
+
+
+class ErrorRate(evaluate.Metric):
+    def _info(self):
+        return evaluate.MetricInfo(
+            description="", citation="", inputs_description="",
+            features=datasets.Features({"predictions": datasets.Value("int64"), "references": datasets.Value("int64")}),
+        )
+
+    def _compute(self, predictions, references):
+        return {"error_rate": sum(p != r for p, r in zip(predictions, references)) / len(references)}
+"""
+
+
+def batches(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return [(rng.integers(0, 10, size), rng.integers(0, 10, size)) for size in (64, 64, 7)]
+
+
+def test_accuracy_is_exact_over_all_batches_and_starts_again_after_compute():
+    metric, data = load_metrics(["accuracy"]), batches()
+    assert isinstance(metric, Accuracy)
+    for _ in range(2):  # two evaluations: the second starts empty, as evaluate's metrics do
+        for predictions, references in data:
+            metric.add_batch(predictions=predictions, references=references)
+        expected = np.mean(np.concatenate([p for p, _ in data]) == np.concatenate([r for _, r in data]))
+        assert metric.compute() == {"accuracy": expected}
+
+
+def test_accuracy_beside_an_evaluate_module(tmp_path):
+    (tmp_path / "error_rate").mkdir()
+    (tmp_path / "error_rate" / "error_rate.py").write_text(ERROR_RATE)
+    metric = load_metrics(["accuracy", str(tmp_path / "error_rate")])
+    for predictions, references in batches(1):
+        metric.add_batch(predictions=predictions, references=references)
+    scores = metric.compute()
+    assert set(scores) == {"accuracy", "error_rate"}
+    assert abs(scores["accuracy"] + scores["error_rate"] - 1) < 1e-12 and 0 < scores["accuracy"] < 1
