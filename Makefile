@@ -21,7 +21,7 @@ lint:             ## ruff lint and format check
 format:           ## ruff autofix and format
 	$(PY) -m ruff check --fix . && $(PY) -m ruff format .
 
-benchmark:        ## the template vs a textbook and an index-batching raw PyTorch loop
+benchmark:        ## the template vs textbook, index-batching and plain Accelerate loops
 	$(PY) scripts/benchmark.py --output runs/benchmark.json
 
 config-reference: ## regenerate the config table in docs/config.md from src/config.py

@@ -1,7 +1,7 @@
 """Data: `datasets.load_dataset` on local Parquet/CSV/JSON files, image folders or a Hub name, then PyTorch DataLoaders.
 
 `load_splits` reads whatever the config names; each task (src/tasks/) turns the splits into torch Datasets and may
-bring its own `collate_fn`.
+bring its own `collate_fn`. Tasks whose data becomes tensors take `load_tables` instead: Parquet without `datasets`.
 Accelerate shards the loaders across processes later, in `accelerator.prepare`; nothing here knows about ranks.
 Training data held in tensors skips the DataLoader's per-sample fetch: `train_data` gathers each batch with the
 prepared loader's own indices (`IndexBatches`), so the batches, their order and the sharding stay the loader's.
