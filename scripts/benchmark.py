@@ -189,10 +189,35 @@ def adamw_and_schedule(model, args, recipe: dict):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
+def train_by_hand(args, model, optimizer, scheduler, epoch_batches, backward, clip_grad_norm_, device) -> None:
+    """The loop of every hand-written side: forward, backward, clipping, step, and one host sync per log interval
+    (as the template's). The sides differ in how batches come and in the backward and clipping calls."""
+    import torch
+    import torch.nn.functional as F
+
+    step, epoch, loss_sum = 0, 0, torch.zeros((), device=device)
+    while step < args.steps:
+        for inputs, targets in epoch_batches(epoch):
+            loss = F.cross_entropy(model(inputs), targets)
+            backward(loss)
+            if args.max_grad_norm:
+                clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            loss_sum += loss.detach()
+            step += 1
+            if step % args.recipe["logging_steps"] == 0:
+                loss_sum.item()
+                loss_sum.zero_()
+            if step == args.steps:
+                break
+        epoch += 1
+
+
 def run_raw(args, by_index: bool) -> dict:
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     times = record_step_times()
@@ -225,62 +250,32 @@ def run_raw(args, by_index: bool) -> dict:
     optimizer, scheduler = adamw_and_schedule(model, args, args.recipe)
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
-    step, epoch, loss_sum = 0, 0, torch.zeros((), device=device)
-    while step < args.steps:
-        for inputs, targets in epoch_batches(epoch):
-            loss = F.cross_entropy(model(inputs), targets)
-            loss.backward()
-            if args.max_grad_norm:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            loss_sum += loss.detach()
-            step += 1
-            if step % args.recipe["logging_steps"] == 0:
-                loss_sum.item()  # the same host sync per log interval as the template's
-                loss_sum.zero_()
-            if step == args.steps:
-                break
-        epoch += 1
+    train_by_hand(args, model, optimizer, scheduler, epoch_batches, torch.Tensor.backward,
+                  torch.nn.utils.clip_grad_norm_, device)  # fmt: skip
     return summarize(times, args.batch, device)
 
 
 def run_accelerate(args) -> dict:
     """(c) The loop of Accelerate's examples (examples/cv_example.py): prepare, accelerator.backward, its clipping."""
     import torch
-    import torch.nn.functional as F
     from accelerate import Accelerator
     from torch.utils.data import DataLoader, TensorDataset
 
     times = record_step_times()
     accelerator = Accelerator(cpu=args.device == "cpu")  # cpu=True: gloo DDP on N CPU processes, not N copies
-    torch.manual_seed(args.recipe["seed"])
     loader = DataLoader(TensorDataset(*read_digits("cpu")), batch_size=args.batch // accelerator.num_processes,
                         shuffle=True, drop_last=True)  # fmt: skip
     model = build_network(args, args.recipe)
     optimizer, scheduler = adamw_and_schedule(model, args, args.recipe)
     # The scheduler is not prepared: Accelerate's would step it once per process per optimiser step
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    step, epoch, loss_sum = 0, 0, torch.zeros((), device=accelerator.device)
-    while step < args.steps:
+
+    def epoch_batches(epoch: int):
         loader.set_epoch(epoch)
-        for inputs, targets in loader:
-            loss = F.cross_entropy(model(inputs), targets)
-            accelerator.backward(loss)
-            if args.max_grad_norm:
-                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            loss_sum += loss.detach()
-            step += 1
-            if step % args.recipe["logging_steps"] == 0:
-                loss_sum.item()
-                loss_sum.zero_()
-            if step == args.steps:
-                break
-        epoch += 1
+        return loader
+
+    train_by_hand(args, model, optimizer, scheduler, epoch_batches, accelerator.backward,
+                  accelerator.clip_grad_norm_, accelerator.device)  # fmt: skip
     accelerator.end_training()
     return summarize(times, args.batch, accelerator.device)
 
