@@ -257,7 +257,6 @@ def run_raw(args, by_index: bool) -> dict:
 
 def run_accelerate(args) -> dict:
     """(c) The loop of Accelerate's examples (examples/cv_example.py): prepare, accelerator.backward, its clipping."""
-    import torch
     from accelerate import Accelerator
     from torch.utils.data import DataLoader, TensorDataset
 
