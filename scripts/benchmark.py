@@ -136,8 +136,7 @@ def recipe(args) -> dict:
     config = training_config(args, "unused")
     names = ("seed", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "warmup_steps", "logging_steps")
     assert config.lr_scheduler_type == "cosine", "the hand-written sides implement the default schedule: cosine"
-    task = config.task_args
-    return {name: getattr(config, name) for name in names} | {"norm": task.get("norm", "group")}
+    return {name: getattr(config, name) for name in names} | {k: config.task_args[k] for k in ("norm", "num_labels")}
 
 
 def warmup_cosine(step: int, total_steps: int, warmup_steps: int) -> float:
@@ -168,10 +167,10 @@ def build_network(args, recipe: dict):
 
     torch.manual_seed(recipe["seed"])
     if args.model == "linear":
-        return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, recipe["num_labels"]))
     from src.models.digits_cnn import DigitsCNN  # imports torch only
 
-    return DigitsCNN(num_labels=10, norm=recipe["norm"])
+    return DigitsCNN(num_labels=recipe["num_labels"], norm=recipe["norm"])
 
 
 def adamw_and_schedule(model, args, recipe: dict):
