@@ -43,6 +43,8 @@ from src.distributed import (
     build_accelerator,
     compile_model,
     enable_gradient_checkpointing,
+    end_training,
+    let_gloo_settle,
     summed_loss_scale,
     sync_batchnorm,
 )
@@ -212,7 +214,7 @@ def train(config: TrainConfig) -> dict:
         profiler.stop()
 
         final_metrics = finish_training(run, config, state, best, eval_metrics, step)
-    accelerator.end_training()
+    end_training(accelerator)  # and a moment for gloo's threads: see src/distributed.py
     return final_metrics
 
 
@@ -276,7 +278,9 @@ def evaluate_and_predict(config: TrainConfig) -> dict:
         if config.do_eval:
             metrics = evaluate(run.task, run.model, run.eval_loader, run.metric, run.accelerator)
             log_metrics(run.accelerator, metrics, step=0)
-        return finish(run, config, metrics, step=0)
+        metrics = finish(run, config, metrics, step=0)
+    let_gloo_settle(run.accelerator)  # before the model is freed: see src/distributed.py
+    return metrics
 
 
 def finish(run: Setup, config: TrainConfig, metrics: dict, step: int) -> dict:

@@ -12,6 +12,7 @@ The traps this module closes (docs/how_it_works.md):
 
 import logging
 import os
+import time
 
 import torch
 from torch import nn
@@ -121,3 +122,19 @@ def sync_batchnorm(model: nn.Module, accelerator) -> nn.Module:
         accelerator.num_processes,
     )
     return model
+
+
+def end_training(accelerator) -> None:
+    """`accelerator.end_training()` (trackers closed, process group destroyed), then let_gloo_settle."""
+    accelerator.end_training()
+    let_gloo_settle(accelerator)
+
+
+def let_gloo_settle(accelerator) -> None:
+    """A moment with the GIL released after the last collective, on N processes. Gloo's worker threads destroy each
+    finished work, whose tensors' Python objects need the GIL; the DDP model freed as the run returns then destroys
+    the process group, which joins those threads while holding the GIL (pytorch#56297). A worker still waiting for
+    the GIL then hangs the process for good: seen at the end of 2-process CPU runs (rank 1 in ~ProcessGroupGloo's
+    join, its worker in ~AsyncWork waiting for the GIL, py-spy). The workers need microseconds; 50 ms is plenty."""
+    if accelerator.num_processes > 1:
+        time.sleep(0.05)
