@@ -114,11 +114,13 @@ def column_tensor(table, name: str, split: str):
         column = pc.fill_null(column, float("nan"))
     if column.null_count:
         raise UsageError(f"column {name!r} has {column.null_count} missing values in the {split} split; fill them")
-    if pa.types.is_boolean(column.type):  # bit-packed: DLPack takes bytes
-        return column_tensor(pa.table({name: pc.cast(column, pa.uint8())}), name, split).view(shape).bool()
+    flags = pa.types.is_boolean(column.type)
+    if flags:  # bit-packed: DLPack takes bytes
+        column = pc.cast(column, pa.uint8())
     if not (pa.types.is_integer(column.type) or pa.types.is_floating(column.type)):
         raise UsageError(f"column {name!r} of the {split} split holds {column.type}, not numbers; choose other columns")
-    return torch.from_dlpack(column.__dlpack__(max_version=(1, 0))).view(shape).clone()  # Arrow's memory: read-only
+    tensor = torch.from_dlpack(column.__dlpack__(max_version=(1, 0))).view(shape).clone()  # Arrow's memory: read-only
+    return tensor.bool() if flags else tensor
 
 
 def reads_local_files(config: TrainConfig) -> bool:
