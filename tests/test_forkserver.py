@@ -95,8 +95,10 @@ rank = int(os.environ["RANK"])
 names = sorted(k for k in os.environ if k.startswith(("RANK", "LOCAL_", "WORLD", "MASTER", "TORCHELASTIC", "ACCELERATE",
                                                        "GROUP_", "ROLE_", "OMP_")))
 default = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
-print(f"rank {rank} of {os.environ['WORLD_SIZE']} names {names} default {default} leader {os.getsid(0) == os.getpid()}")
-print(f"imported {rank} {'torch' in sys.modules} parent {os.getppid()}", file=sys.stderr)
+# one write a line: ranks run unbuffered (`python -u`) on one pipe, and print's separate newline could interleave
+leader = os.getsid(0) == os.getpid()
+os.write(1, f"rank {rank} of {os.environ['WORLD_SIZE']} names {names} default {default} leader {leader}\\n".encode())
+os.write(2, f"imported {rank} {'torch' in sys.modules} parent {os.getppid()}\\n".encode())
 printed = sys.argv[2] + ".printed"
 if sys.argv[1] == "fail" and rank == 1:
     for _ in range(600):  # fail once the other rank has printed
