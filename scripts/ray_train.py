@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from scripts.launch import check_config_file  # noqa: E402
-from src.errors import RunStopped, UsageError  # noqa: E402
+from src.errors import RunStopped, UsageError, say  # noqa: E402
 
 # What `accelerate launch` sets that describes the process topology: Ray Train sets its own, or decides (the device)
 TOPOLOGY_VARIABLES = {"ACCELERATE_USE_CPU", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"}
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None, worker_setup=None) -> None:
     try:
         run(sys.argv[1:] if argv is None else argv, worker_setup)
     except RunStopped as err:
-        print(f"{err.prefix}: {err}", file=sys.stderr, flush=True)
+        say(f"{err.prefix}: {err}")
         sys.exit(err.exit_code)
 
 

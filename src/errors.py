@@ -74,6 +74,13 @@ def is_main_process() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+def say(line: str) -> None:
+    """One line to stderr in one write: print writes the newline apart, and the lines of processes sharing a
+    terminal or pipe would interleave ("error: a error: b" then two newlines)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def command_line(fn):
     """Wrap a command-line entry point so each way of stopping early gets its line and exit code."""
 
@@ -85,10 +92,10 @@ def command_line(fn):
             if debug_requested() and not isinstance(err, TrainingPreempted):
                 raise
             if is_main_process() or not err.main_process_only:
-                print(f"{err.prefix}: {err}", file=sys.stderr, flush=True)
+                say(f"{err.prefix}: {err}")
             sys.exit(err.exit_code)
         except KeyboardInterrupt:
-            print("interrupted (Ctrl-C): stopped without saving", file=sys.stderr, flush=True)
+            say("interrupted (Ctrl-C): stopped without saving")
             sys.exit(EXIT_INTERRUPTED)
 
     return wrapper

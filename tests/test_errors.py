@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from src.errors import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_USAGE, EXIT_WRITE_FAILED
+from src.errors import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_USAGE, EXIT_WRITE_FAILED, UsageError, command_line
 from tests.conftest import (
     QUICK,
     REPO,
@@ -233,3 +233,17 @@ def test_bad_input_on_two_processes_stops_both(tmp_path, build_args, pattern):
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 2 and all(pattern in line for line in errors)  # one line from each of the 2 processes
     assert not (tmp_path / "run").exists()
+
+
+def test_the_error_line_is_one_write(monkeypatch):
+    """Processes on one pipe interleave between writes: the line goes out whole, its newline with it."""
+    writes = []
+    monkeypatch.setattr(sys, "stderr", type("Pipe", (), {"write": writes.append, "flush": lambda self: None})())
+
+    @command_line
+    def bad():
+        raise UsageError("no such file: fix the path")
+
+    with pytest.raises(SystemExit) as stopped:
+        bad()
+    assert stopped.value.code == EXIT_USAGE and writes == ["error: no such file: fix the path\n"]
