@@ -50,26 +50,33 @@ def load_splits(config: TrainConfig, names: list[str] | None = None):
     return splits
 
 
-def load_tables(config: TrainConfig, names: list[str] | None = None) -> dict:
+def load_tables(config: TrainConfig, names: list[str] | None = None, columns: list[str] | None = None) -> dict:
     """The splits `names` (default: train and eval) as pyarrow Tables, for tasks that turn columns into tensors
-    (`column_tensor`). Local Parquet files are read by pyarrow itself, as datasets' Parquet builder does, without
-    importing `datasets` (~0.3 s before the first step, docs/benchmark.md); all other data through load_splits."""
+    (`column_tensor`); `columns`: only those of them the split has. Local Parquet files are read by pyarrow itself, as
+    datasets' Parquet builder does, without importing `datasets` (docs/benchmark.md); all other data through
+    load_splits."""
     names = names or [config.train_split, config.eval_split]
     local = local_files(config, names)
     if local is None or local[1] != "parquet":
         splits = load_splits(config, names)
-        return {name: splits[name].data.table for name in names}
+        return {name: splits[name].data.table.select(present(columns, splits[name].column_names)) for name in names}
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     tables = {}
     for split, path in local[0].items():
-        try:
-            tables[split] = pq.ParquetFile(path).read()  # one file; read_table would import pyarrow.dataset, pandas
+        try:  # one file; read_table would import pyarrow.dataset and pandas
+            with pq.ParquetFile(path) as parquet:
+                check_rows(parquet.metadata.num_rows, split)
+                tables[split] = parquet.read(columns=present(columns, parquet.schema_arrow.names))
         except pa.ArrowException as err:
             raise unreadable("parquet", err) from err
-        check_rows(tables[split].num_rows, split)
     return tables
+
+
+def present(columns: list[str] | None, names: list[str]) -> list[str]:
+    """Those of `columns` (all if None) that a table with columns `names` has."""
+    return names if columns is None else [name for name in columns if name in names]
 
 
 def local_files(config: TrainConfig, names: list[str]) -> tuple[dict[str, str], str] | None:
@@ -96,31 +103,32 @@ def check_rows(rows: int, split: str) -> None:
         raise UsageError(f"the {split!r} split is empty; point --data_files or --dataset_name at data with rows")
 
 
-def column_tensor(table, name: str, split: str):
-    """Column `name` of a pyarrow Table as a tensor, as datasets' torch format gives it: numbers 1-D, lists of one
-    length 2-D, missing floats NaN. Through DLPack: pyarrow's to_numpy() would import pandas (~0.3 s). Other missing
+def column_tensor(table, name: str, split: str, missing_as_nan: bool = True):
+    """Column `name` of a pyarrow Table as a tensor, as datasets' torch format gives it: integers int64, floats
+    float32, booleans bool; lists of one length (nested too) a dimension each; missing floats NaN (unless
+    `missing_as_nan` is False: labels). Through DLPack: pyarrow's to_numpy() would import pandas. Other missing
     values, lists of different lengths or values that are not numbers: a UsageError naming the column."""
     import pyarrow as pa
     import pyarrow.compute as pc
     import torch
 
-    column = table.column(name).combine_chunks()
-    shape = (len(column),)
-    if pa.types.is_list(column.type) or pa.types.is_large_list(column.type) or pa.types.is_fixed_size_list(column.type):
-        if column.null_count or len(pc.unique(pc.list_value_length(column))) > 1:
+    column, shape = table.column(name).combine_chunks(), [len(table)]
+    while isinstance(column.type, (pa.ListType, pa.LargeListType, pa.FixedSizeListType)):
+        lengths = pc.unique(pc.list_value_length(column))
+        if column.null_count or len(lengths) > 1:
             raise UsageError(f"column {name!r} of the {split} split holds lists of different lengths or none")
-        column, shape = column.flatten(), (len(column), -1)
-    if column.null_count and pa.types.is_floating(column.type):  # as datasets gives them: NaN
+        column, shape = column.flatten(), [*shape, lengths[0].as_py() if len(lengths) else 0]
+    if column.null_count and pa.types.is_floating(column.type) and missing_as_nan:  # as datasets gives them
         column = pc.fill_null(column, float("nan"))
     if column.null_count:
         raise UsageError(f"column {name!r} has {column.null_count} missing values in the {split} split; fill them")
-    flags = pa.types.is_boolean(column.type)
-    if flags:  # bit-packed: DLPack takes bytes
+    is_bool = pa.types.is_boolean(column.type)
+    if is_bool:  # bit-packed in Arrow: DLPack takes bytes
         column = pc.cast(column, pa.uint8())
     if not (pa.types.is_integer(column.type) or pa.types.is_floating(column.type)):
         raise UsageError(f"column {name!r} of the {split} split holds {column.type}, not numbers; choose other columns")
-    tensor = torch.from_dlpack(column.__dlpack__(max_version=(1, 0))).view(shape).clone()  # Arrow's memory: read-only
-    return tensor.bool() if flags else tensor
+    dtype = torch.bool if is_bool else torch.int64 if pa.types.is_integer(column.type) else torch.float32
+    return torch.from_dlpack(column).view(shape).to(dtype, copy=True)  # a copy: Arrow's memory is read-only
 
 
 def reads_local_files(config: TrainConfig) -> bool:

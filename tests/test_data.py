@@ -1,5 +1,7 @@
 """The data code takes local Parquet/CSV/JSON files or a Hub name, and bad data is a clear error."""
 
+import itertools
+
 import httpx
 import huggingface_hub
 import huggingface_hub.constants
@@ -102,35 +104,49 @@ def test_csv_with_other_column_names(tmp_path):
 
 def test_parquet_columns_are_the_tensors_datasets_gives(tmp_path):
     """Tensor tasks read Parquet with pyarrow (no `datasets` import): every column type they take comes out as
-    datasets' torch format has it (floats compared in its float32), missing floats as NaN."""
+    datasets' torch format has it, dtype included, over several row groups; missing floats as NaN."""
     import datasets
+    import pyarrow as pa
 
     frame = pd.DataFrame({
-        "ints": [3, -1, 7], "floats": [0.5, np.nan, 1e-8], "flags": [True, False, True],
+        "ints": np.array([3, -1, 7], dtype=np.int32), "floats": [0.5, np.nan, 1e-8], "flags": [True, False, True],
         "lists": [[1, 2], [3, 4], [5, 6]], "float_lists": [[0.1, 0.2], [0.3, 0.4], [0.5, np.nan]],
+        "grids": [[[1, 2], [3, 4]], [[5, 6], [7, 8]], [[9, 0], [1, 2]]], "bytes": np.array([1, 2, 255], dtype=np.uint8),
     })  # fmt: skip
-    frame.to_parquet(tmp_path / "t.parquet")
+    frame.to_parquet(tmp_path / "t.parquet", row_group_size=1)
     table = load_tables(config_for({"train": tmp_path / "t.parquet"}), ["train"])["train"]
+    chunked = pa.concat_tables([table.slice(0, 1), table.slice(1)])  # as datasets' tables come: chunks, slices
+    assert chunked.column("ints").num_chunks == 2
     reference = datasets.Dataset.from_parquet(str(tmp_path / "t.parquet")).with_format("torch")[:]
-    for name in frame.columns:
-        ours, theirs = column_tensor(table, name, "train"), reference[name]
-        assert ours.shape == theirs.shape and ours.dtype.is_floating_point == theirs.dtype.is_floating_point, name
-        torch.testing.assert_close(ours.to(theirs.dtype), theirs, rtol=0, atol=0, equal_nan=True, msg=name)
+    for name, read in itertools.product(frame.columns, (table, chunked)):
+        ours, theirs = column_tensor(read, name, "train"), reference[name]
+        assert (ours.shape, ours.dtype) == (theirs.shape, theirs.dtype), name
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0, equal_nan=True, msg=name)
+
+
+def test_only_the_columns_asked_for_are_read(tmp_path):
+    pd.DataFrame({"id": ["a", "b"], "pixels": [[1, 2], [3, 4]]}).to_parquet(tmp_path / "t.parquet")
+    config = config_for({"train": tmp_path / "t.parquet"})
+    assert load_tables(config, ["train"], columns=["id", "none"])["train"].column_names == ["id"]
+    assert load_tables(config, ["train"], columns=["none"])["train"].num_columns == 0
+    assert load_tables(config, ["train"])["train"].column_names == ["id", "pixels"]
 
 
 @pytest.mark.parametrize(
-    "values, message",
+    "values, message, missing_as_nan",
     [
-        (["a", "b"], "column 'x' of the train split holds string, not numbers"),
-        ([1, None], "column 'x' has 1 missing values in the train split"),
-        ([[1], [1, 2]], "column 'x' of the train split holds lists of different lengths"),
+        (["a", "b"], "column 'x' of the train split holds string, not numbers", True),
+        ([1, None], "column 'x' has 1 missing values in the train split", True),
+        ([1.0, None], "column 'x' has 1 missing values in the train split", False),  # a label: no NaN class
+        ([[1], [1, 2]], "column 'x' of the train split holds lists of different lengths", True),
+        ([[[1], [2]], [[1, 2]]], "column 'x' of the train split holds lists of different lengths", True),
     ],
 )
-def test_a_column_that_is_no_tensor_is_a_usage_error(values, message):
+def test_a_column_that_is_no_tensor_is_a_usage_error(values, message, missing_as_nan):
     import pyarrow as pa
 
     with pytest.raises(UsageError, match=message):
-        column_tensor(pa.table({"x": values}), "x", "train")
+        column_tensor(pa.table({"x": values}), "x", "train", missing_as_nan=missing_as_nan)
 
 
 def write_split_files(tmp_path, frame: pd.DataFrame) -> dict:

@@ -127,8 +127,8 @@ class Task:
         """The id of each row build_eval_dataset(split, labelled=False) holds, in order, for predictions.jsonl; None
         without ids. Default: the split's `--id_column` read with src/data.py's loaders (Parquet, CSV, JSON, the
         Hub), None where the split has no such column. A task that reads other data returns its own."""
-        table = load_tables(self.config, [split])[split]
-        return table.column(self.config.id_column).to_pylist() if self.config.id_column in table.column_names else None
+        table = load_tables(self.config, [split], columns=[self.config.id_column])[split]
+        return table.column(self.config.id_column).to_pylist() if table.num_columns else None
 
     def prediction_rows(self, outputs: dict[str, torch.Tensor]) -> list[dict]:
         """The gathered predict() outputs -> one JSON-ready row per sample (e.g. a class id -> its label name)."""
