@@ -53,7 +53,7 @@ from src.fast_path import DirectOptimizer, train_data
 from src.final_model import export_model, model_to_evaluate, save_final_model
 from src.hub import check_hub_push, push_to_hub
 from src.meters import TrainMeters, step_profiler
-from src.metrics import load_metrics
+from src.metrics import Metric, load_metrics
 from src.object_storage import check_mirror, fetch_checkpoint, prepare_mirror, upload_checkpoint, upload_run
 from src.optim import build_optimizer, build_scheduler
 from src.preemption import PreemptionSignals
@@ -97,7 +97,7 @@ class Setup:
     task: Task
     model: nn.Module  # prepared, and compiled with --torch_compile: what trains and evaluates
     saved_model: nn.Module  # the prepared model without compilation: what checkpoints export and model/ saves
-    metric: object  # evaluate's metrics (None: the loss only)
+    metric: Metric | None  # None: the loss only
     train_loader: DataLoader | None  # training only
     eval_loader: DataLoader | None
     test_loader: DataLoader | None  # the labelled test split, where the data has one

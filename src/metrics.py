@@ -2,18 +2,28 @@
 then a path or the Hub).
 
 Every process computes the metric on the SAME gathered predictions (see `evaluate` in train.py), so
-all processes agree on the result: no "4 accuracies on 4 GPUs". A metric is an object with evaluate's two calls,
-`add_batch(predictions=..., references=...)` per batch and `compute()` -> {name: value} once per evaluation.
+all processes agree on the result: no "4 accuracies on 4 GPUs". A metric is a `Metric`: evaluate's two calls.
 """
 
 import uuid
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
+from src.errors import TaskFailed, UsageError
 from src.imports import hidden
 
 LOCAL_METRICS = Path(__file__).parent / "evaluate_metrics"
+
+
+class Metric(Protocol):
+    """What evaluation asks of a metric (an `evaluate` module is one): every gathered batch's numpy arrays, then the
+    results of everything added since the last compute(), which starts the next evaluation empty."""
+
+    def add_batch(self, *, predictions, references) -> None: ...
+
+    def compute(self) -> dict: ...
 
 
 class Accuracy:
@@ -24,9 +34,15 @@ class Accuracy:
     def __init__(self):
         self.correct, self.total = 0, 0
 
-    def add_batch(self, predictions, references) -> None:
-        self.correct += int(np.count_nonzero(np.asarray(predictions) == np.asarray(references)))
-        self.total += len(references)
+    def add_batch(self, *, predictions, references) -> None:
+        predictions, references = np.asarray(predictions), np.asarray(references)
+        if predictions.shape != references.shape:  # broadcasting would count pairs that are none
+            raise TaskFailed(
+                f"accuracy compares each prediction with its reference, and the task's eval_outputs() gave "
+                f"predictions of shape {predictions.shape}, references of shape {references.shape}: give both alike"
+            )
+        self.correct += int(np.count_nonzero(predictions == references))
+        self.total += references.size  # each element: a token-level accuracy for (batch, length) outputs
 
     def compute(self) -> dict:
         result = {"accuracy": self.correct / self.total if self.total else 0.0}
@@ -40,22 +56,30 @@ BUILT_IN = {"accuracy": Accuracy}
 class Metrics:
     """Several metrics as one: each gets every batch, compute() merges their results."""
 
-    def __init__(self, metrics: list):
+    def __init__(self, metrics: list[Metric]):
         self.metrics = metrics
 
-    def add_batch(self, predictions, references) -> None:
+    def add_batch(self, *, predictions, references) -> None:
         for metric in self.metrics:
             metric.add_batch(predictions=predictions, references=references)
 
     def compute(self) -> dict:
-        return {name: value for metric in self.metrics for name, value in metric.compute().items()}
+        results = [metric.compute() for metric in self.metrics]
+        merged = {name: value for result in results for name, value in result.items()}
+        if len(merged) < sum(len(result) for result in results):
+            names = [name for result in results for name in result]
+            twice = sorted({name for name in names if names.count(name) > 1})
+            raise TaskFailed(f"two metrics both give {', '.join(twice)}; keep one of them in --metrics")
+        return merged
 
 
-def load_metrics(names: list[str]):
+def load_metrics(names: list[str]) -> Metric | None:
     """One object computing all `names` (None if there are none): the built-in ones, and one `evaluate` combination
     of the others, each a local module name, a path to one or a name `evaluate.load` takes as is."""
     if not names:
         return None
+    if len(set(names)) < len(names):
+        raise UsageError(f"--metrics names a metric twice ({', '.join(names)}); name each once")
     metrics = [BUILT_IN[name]() for name in names if name in BUILT_IN]
     others = [name for name in names if name not in BUILT_IN]
     if others:

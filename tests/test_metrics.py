@@ -1,8 +1,10 @@
 """Metrics: the built-in accuracy is exact over every batch added, and combines with `evaluate` modules."""
 
 import numpy as np
+import pytest
 
-from src.metrics import Accuracy, load_metrics
+from src.errors import TaskFailed, UsageError
+from src.metrics import Accuracy, Metrics, load_metrics
 
 ERROR_RATE = """
 import datasets
@@ -46,3 +48,21 @@ def test_accuracy_beside_an_evaluate_module(tmp_path):
     scores = metric.compute()
     assert set(scores) == {"accuracy", "error_rate"}
     assert abs(scores["accuracy"] + scores["error_rate"] - 1) < 1e-12 and 0 < scores["accuracy"] < 1
+
+
+def test_accuracy_counts_each_element_and_refuses_shapes_that_differ():
+    metric = Accuracy()
+    metric.add_batch(predictions=np.array([[1, 2], [3, 4]]), references=np.array([[1, 0], [3, 4]]))  # per token
+    assert metric.compute() == {"accuracy": 0.75}
+    for references in (np.array([[1], [2]]), np.array([1])):  # numpy would broadcast both against (2,)
+        with pytest.raises(TaskFailed, match=r"predictions of shape \(2,\), references of shape"):
+            metric.add_batch(predictions=np.array([1, 2]), references=references)
+
+
+def test_two_metrics_of_one_name_are_refused():
+    with pytest.raises(UsageError, match=r"--metrics names a metric twice \(accuracy, accuracy\); name each once"):
+        load_metrics(["accuracy", "accuracy"])
+    metric = Metrics([Accuracy(), Accuracy()])  # as two evaluate modules may both give one name
+    metric.add_batch(predictions=np.array([1]), references=np.array([1]))
+    with pytest.raises(TaskFailed, match="two metrics both give accuracy; keep one of them in --metrics"):
+        metric.compute()
