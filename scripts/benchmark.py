@@ -135,7 +135,8 @@ def recipe(args) -> dict:
     """What the hand-written sides must train with to match the template: its defaults, read once by the parent."""
     config = training_config(args, "unused")
     names = ("seed", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "warmup_steps", "logging_steps")
-    assert config.lr_scheduler_type == "cosine", "the hand-written sides implement the default schedule: cosine"
+    if config.lr_scheduler_type != "cosine":
+        raise SystemExit("the hand-written sides implement the default schedule, cosine; keep it as the default")
     return {name: getattr(config, name) for name in names} | {k: config.task_args[k] for k in ("norm", "num_labels")}
 
 
@@ -174,7 +175,8 @@ def build_network(args, recipe: dict):
 
 
 def adamw_and_schedule(model, args, recipe: dict):
-    """AdamW without weight decay on 1-D parameters (biases, norms), warmup + cosine: the template's defaults."""
+    """AdamW without weight decay on 1-D parameters (biases, norms), fused on a GPU, warmup + cosine: the template's
+    defaults."""
     import torch
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -183,7 +185,8 @@ def adamw_and_schedule(model, args, recipe: dict):
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
     betas = (recipe["adam_beta1"], recipe["adam_beta2"])
-    optimizer = torch.optim.AdamW(groups, lr=recipe["learning_rate"], betas=betas)
+    fused = {"fused": True} if args.device == "cuda" else {}  # as train.py builds it on a GPU
+    optimizer = torch.optim.AdamW(groups, lr=recipe["learning_rate"], betas=betas, **fused)
     schedule = lambda step: warmup_cosine(step, args.steps, recipe["warmup_steps"])  # noqa: E731
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 

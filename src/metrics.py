@@ -29,7 +29,7 @@ class Metric(Protocol):
 class Accuracy:
     """The fraction of predictions equal to their reference, over everything added since the last compute(). Built in
     because the classification tasks use it by default: a run that needs no other metric never imports `evaluate`
-    (and `datasets` with it, ~0.3 s before the first step: docs/benchmark.md)."""
+    (and `datasets` with it: ~0.7 s more to the first step and ~50 MB, docs/benchmark.md)."""
 
     def __init__(self):
         self.correct, self.total = 0, 0

@@ -7,6 +7,7 @@ import statistics
 import pytest
 
 from scripts.benchmark import RATIOS, SIDES, warmup_cosine
+from src.config import TrainConfig
 from src.optim import lr_factor
 from tests.conftest import assert_ok, run_python
 
@@ -29,7 +30,9 @@ def test_benchmark_writes_its_report(tmp_path):
     assert report["settings"] == {"model": "linear", "rounds": 2, "steps": 40, "batch": 64, "processes": 1,
                                   "device": "cpu", "conditions": ["tuned"],
                                   "max_grad_norm": 1.0}  # fmt: skip
-    assert report["recipe"]["learning_rate"] == 3e-3 and report["recipe"]["warmup_steps"] == 20  # TrainConfig's
+    defaults = TrainConfig()
+    assert (report["recipe"]["learning_rate"], report["recipe"]["warmup_steps"]) == (defaults.learning_rate,
+                                                                                     defaults.warmup_steps)  # fmt: skip
     assert list(report["conditions"]) == ["tuned"]
     for condition, measured in report["conditions"].items():
         runs = {side: measured[side]["runs"] for side in SIDES}
