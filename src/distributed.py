@@ -12,13 +12,12 @@ The traps this module closes (docs/how_it_works.md):
 
 import logging
 import os
-import time
 
 import torch
 from torch import nn
 
 from src.config import TrainConfig, resolve_global_batch
-from src.errors import UsageError
+from src.errors import UsageError, let_threads_settle
 from src.fast_path import keep_freed_host_memory
 from src.strategy import accelerator_options, check_launch, check_strategy, enable_fsdp_on_cpu, partial_state_options
 from src.sync_batchnorm import convert_cpu_sync_batchnorm
@@ -135,6 +134,7 @@ def let_gloo_settle(accelerator) -> None:
     finished work, whose tensors' Python objects need the GIL; the DDP model freed as the run returns then destroys
     the process group, which joins those threads while holding the GIL (pytorch#56297). A worker still waiting for
     the GIL then hangs the process for good: seen at the end of 2-process CPU runs (rank 1 in ~ProcessGroupGloo's
-    join, its worker in ~AsyncWork waiting for the GIL, py-spy). The workers need microseconds; 50 ms is plenty."""
-    if accelerator.num_processes > 1:
-        time.sleep(0.05)
+    join, its worker in ~AsyncWork waiting for the GIL, py-spy). The workers need microseconds: 50 ms narrows the race
+    to a worker kept off the CPU that long (no test can force it). A run that stops early gets the same moment in
+    src/errors.py's command_line."""
+    let_threads_settle(accelerator.num_processes)

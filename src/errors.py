@@ -16,6 +16,7 @@
 import functools
 import os
 import sys
+import time
 
 EXIT_USAGE = 2
 EXIT_DIVERGED = 65  # EX_DATAERR from sysexits.h
@@ -81,6 +82,13 @@ def say(line: str) -> None:
     sys.stderr.flush()
 
 
+def let_threads_settle(num_processes: int | None = None) -> None:
+    """On N processes, before the run's model and process group are freed: a moment for gloo's threads, see
+    src/distributed.py: let_gloo_settle. `num_processes`: the accelerator's (default: torchrun's WORLD_SIZE)."""
+    if (num_processes or int(os.environ.get("WORLD_SIZE", "1"))) > 1:
+        time.sleep(0.05)
+
+
 def command_line(fn):
     """Wrap a command-line entry point so each way of stopping early gets its line and exit code."""
 
@@ -93,9 +101,11 @@ def command_line(fn):
                 raise
             if is_main_process() or not err.main_process_only:
                 say(f"{err.prefix}: {err}")
+            let_threads_settle()
             sys.exit(err.exit_code)
         except KeyboardInterrupt:
             say("interrupted (Ctrl-C): stopped without saving")
+            let_threads_settle()
             sys.exit(EXIT_INTERRUPTED)
 
     return wrapper
