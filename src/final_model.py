@@ -25,8 +25,10 @@ def save_final_model(accelerator, task, model, output_dir: Path) -> Path:
 
 def export_model(accelerator, task, model, directory: Path) -> None:
     """task.save_model into `directory` (model/, or a checkpoint's model/). Unless the run is DeepSpeed, deepspeed
-    looks uninstalled meanwhile: Accelerate's unwrap_model would import it only to find no DeepSpeedEngine."""
-    with contextlib.nullcontext() if accelerator.distributed_type == DistributedType.DEEPSPEED else hidden("deepspeed"):
+    looks uninstalled meanwhile: Accelerate's unwrap_model would import it only to find no DeepSpeedEngine (so a
+    save_model of yours that imports deepspeed itself does so only on DeepSpeed runs)."""
+    deepspeed_run = accelerator.distributed_type == DistributedType.DEEPSPEED
+    with contextlib.nullcontext() if deepspeed_run else hidden("deepspeed"):
         task.save_model(accelerator, model, directory)
 
 
