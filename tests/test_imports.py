@@ -5,6 +5,8 @@ import importlib.util
 import json
 import sys
 
+import numpy as np
+import pandas as pd
 import pytest
 
 from src.imports import hidden
@@ -37,11 +39,25 @@ print(json.dumps(sorted(name for name in {names!r} if name in sys.modules)))
 
 @pytest.mark.slow
 def test_a_default_run_imports_only_what_it_uses(tmp_path):
-    """The digits example in a fresh process, with its final eval, checkpoint and model save: none of the libraries
-    it doesn't use, though all are installed here (deepspeed: Accelerate's unwrap would import it, mlflow with it)."""
+    """The digits example in a fresh process, with its final eval, checkpoint and model save, then predictions from
+    that model (ids read from Parquet) and a tabular run: none of the libraries they don't use, though all are
+    installed here (deepspeed: Accelerate's unwrap would import it, mlflow with it)."""
     for name in ("datasets", "evaluate", "deepspeed"):
         assert importlib.util.find_spec(name) is not None, f"{name} is not installed: the check would prove nothing"
-    result = run_python("-c", PROBE.format(args=[*QUICK, "--output_dir", str(tmp_path / "run")], names=NOT_USED))
-    assert_ok(result)
-    assert json.loads(result.stdout.strip().splitlines()[-1]) == []
-    assert (tmp_path / "run" / "model" / "model.safetensors").is_file()
+    run, table = tmp_path / "run", tmp_path / "table.parquet"
+    rng = np.random.default_rng(0)
+    frame = {"a": rng.normal(size=64), "b": rng.normal(size=64), "label": rng.integers(0, 2, 64)}
+    pd.DataFrame(frame).to_parquet(table)
+    runs = [
+        [*QUICK, "--output_dir", str(run)],
+        ["--model_name_or_path", str(run), "--do_train", "false", "--do_predict", "true",
+         "--output_dir", str(tmp_path / "predicted")],
+        [*QUICK, "--task", "tabular", "--data_files", f"{{train: {table}, eval: {table}}}", "--output_dir",
+         str(tmp_path / "tabular")],
+    ]  # fmt: skip
+    for args in runs:
+        result = run_python("-c", PROBE.format(args=args, names=NOT_USED))
+        assert_ok(result)
+        assert json.loads(result.stdout.strip().splitlines()[-1]) == [], args
+    assert (run / "model" / "model.safetensors").is_file() and (tmp_path / "predicted" / "predictions.jsonl").is_file()
+    assert (tmp_path / "tabular" / "model" / "model.safetensors").is_file()
