@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
@@ -57,14 +57,14 @@ def load_tables(config: TrainConfig, names: list[str] | None = None, columns: li
     load_splits."""
     names = names or [config.train_split, config.eval_split]
     local = local_files(config, names)
-    if local is None or local[1] != "parquet":
+    if local is None or local.builder != "parquet":
         splits = load_splits(config, names)
         return {name: splits[name].data.table.select(present(columns, splits[name].column_names)) for name in names}
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     tables = {}
-    for split, path in local[0].items():
+    for split, path in local.files.items():
         try:  # one file; read_table would import pyarrow.dataset and pandas
             with pq.ParquetFile(path) as parquet:
                 check_rows(parquet.metadata.num_rows, split)
@@ -79,7 +79,12 @@ def present(columns: list[str] | None, names: list[str]) -> list[str]:
     return names if columns is None else [name for name in columns if name in names]
 
 
-def local_files(config: TrainConfig, names: list[str]) -> tuple[dict[str, str], str] | None:
+class LocalFiles(NamedTuple):
+    files: dict[str, str]  # split -> its file or folder
+    builder: str  # the `datasets` builder that reads them: parquet, csv, json, imagefolder
+
+
+def local_files(config: TrainConfig, names: list[str]) -> LocalFiles | None:
     """The data files of splits `names` and their `datasets` builder; None for a Hub dataset. A split the files lack,
     a missing file or a --dataset_name that doesn't read them: a UsageError."""
     if not reads_local_files(config):
@@ -91,7 +96,7 @@ def local_files(config: TrainConfig, names: list[str]) -> tuple[dict[str, str], 
     builder = file_builder(files)
     if config.dataset_name not in (None, builder):
         raise UsageError(f"--dataset_name {config.dataset_name} does not read {builder} data_files; drop it")
-    return files, builder
+    return LocalFiles(files, builder)
 
 
 def unreadable(builder: str, cause: BaseException) -> UsageError:
