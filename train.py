@@ -205,7 +205,7 @@ def train(config: TrainConfig) -> dict:
                 meters.save_to(state)
                 with meters.timer.paused():
                     saved = save_checkpoint(accelerator, config, state, export)
-                    upload_checkpoint(accelerator, config, saved, keep_step=state.best_model_step)  # --output_mirror
+                    upload_checkpoint(accelerator, config, saved, state)  # --output_mirror
                 if preempted:
                     raise TrainingPreempted(f"checkpoint {saved} saved; run the same command to resume")
             if step >= total_steps:

@@ -25,6 +25,7 @@ class TrainConfig:
     # --- run ---
     output_dir: str | None = None  # config.yaml, metrics.jsonl, checkpoints/, model/ go here; None: runs/<task>
     output_mirror: str | None = None  # s3://bucket/run or any fsspec URL: a copy of checkpoints/, model/, metrics.jsonl
+    output_mirror_async: bool = False  # upload each checkpoint on a thread while training goes on (docs/resume.md)
     overwrite_output_dir: bool = False  # allow a fresh run to replace a previous run's files in output_dir
     seed: int = 42  # the same on every process: identical initial weights and data order
     run_name: str | None = None  # wandb run name
@@ -145,6 +146,8 @@ class TrainConfig:
                 f"--output_dir {self.output_dir} is a URL; keep --output_dir a local folder and copy the run there "
                 f"with --output_mirror {self.output_dir}"
             )
+        if self.output_mirror_async and not self.output_mirror:
+            problems.append("--output_mirror_async uploads to --output_mirror: set it too (s3://bucket/run)")
         if self.auto_find_batch_size and self.global_batch_size is None:
             problems.append("--auto_find_batch_size needs --global_batch_size, so the optimiser's batch stays the same")
         problems += self.check_phases()

@@ -6,8 +6,11 @@ main process uploads each one with its `trainer_state.json` last. In the mirror,
 a trainer state is complete, so an upload cut off half-way is never taken for `latest`. `--resume_from_checkpoint
 latest` downloads the mirror's newest complete checkpoint when the local disk has none as new (a fresh machine),
 `--save_total_limit` rotates the mirror as it rotates the disk, and at the end model/, metrics.jsonl, config.yaml and
-eval_results.json follow. The upload is synchronous, on the main process, while the others wait at the barrier
-that ends each checkpoint: simple, and the checkpoint is safe in the mirror before training goes on.
+eval_results.json follow. The upload runs on the main process while the others wait at the barrier that ends each
+checkpoint, so the checkpoint is safe in the mirror before training goes on. With --output_mirror_async it runs on a
+thread of the main process instead, from a snapshot of hard links (the disk's rotation may remove the checkpoint
+meanwhile), while training goes on; the next checkpoint waits for it, as do a preemption (its checkpoint is uploaded
+before the run exits) and the end. One upload at a time, in order: the mirror sees the same sequence either way.
 
 The storage library follows from the URL's protocol (s3fs for s3://: an optional extra, `pip install s3fs`, imported
 only for such a URL), and so do the credentials: the library's own environment variables and config files
@@ -19,11 +22,12 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from src.checkpoint import all_processes_agree, checkpoint_dir, checkpoint_step, complete_checkpoints
+from src.checkpoint import TrainerState, all_processes_agree, checkpoint_dir, checkpoint_step, complete_checkpoints
 from src.config import TrainConfig
 from src.errors import CheckpointWriteFailed, UsageError, one_line
 from src.run_dir import (
@@ -210,6 +214,9 @@ def prepare_mirror(accelerator, config: TrainConfig, resumed: bool) -> None:
     """A fresh start (check_mirror let it replace the mirror's run) empties the mirror of the previous run, as
     prepare_output_dir empties the local run directory; a resumed run keeps it."""
     mirror = mirror_of(config)
+    if mirror is not None and accelerator.is_main_process:
+        with contextlib.suppress(UploadFailed):  # a run before this one in the process (a notebook), stopped early
+            wait_for_upload(config)
     if mirror is not None and not resumed and accelerator.is_main_process:
         for name in mirror.checkpoint_names():
             mirror.remove_checkpoint(name)
@@ -219,14 +226,87 @@ def prepare_mirror(accelerator, config: TrainConfig, resumed: bool) -> None:
     accelerator.wait_for_everyone()
 
 
-def upload_checkpoint(accelerator, config: TrainConfig, checkpoint: Path, keep_step: int | None = None) -> None:
+def upload_checkpoint(accelerator, config: TrainConfig, checkpoint: Path, state: TrainerState) -> None:
     """After save_checkpoint, on every process: the main one uploads `checkpoint`, metrics.jsonl and config.yaml,
-    the trainer state last, then rotates the mirror (--save_total_limit; `keep_step`: the best model's, kept)."""
+    the trainer state last, then rotates the mirror (--save_total_limit; the best model's checkpoint kept). With
+    --output_mirror_async it starts that on a thread once the previous upload is done, but for a preemption's
+    checkpoint, uploaded now: the machine may be gone after the exit."""
     mirror = mirror_of(config)
-    if mirror is not None:
-        on_main(
-            accelerator, f"checkpoint {checkpoint.name}", config, lambda: upload(mirror, checkpoint, config, keep_step)
-        )
+    if mirror is None:
+        return
+    output_dir, keep, keep_step = Path(config.output_dir), config.save_total_limit, state.best_model_step
+
+    def upload_now() -> None:
+        wait_for_upload(config)
+        upload(mirror, checkpoint, output_dir, keep, keep_step)
+
+    def upload_on_a_thread() -> None:
+        wait_for_upload(config)
+        UPLOADS[config.output_dir] = Upload.start(mirror, checkpoint, output_dir, keep, keep_step)
+
+    background = config.output_mirror_async and not state.preempted
+    on_main(accelerator, f"checkpoint {checkpoint.name}", config, upload_on_a_thread if background else upload_now)
+
+
+@dataclass
+class Upload:
+    """A checkpoint on its way to the mirror on a thread (--output_mirror_async), from `snapshot`: hard links to its
+    files (a checkpoint's files are written once, never changed) and copies of metrics.jsonl and config.yaml."""
+
+    name: str
+    snapshot: Path
+    thread: threading.Thread | None = None
+    failure: Exception | None = field(default=None, repr=False)
+
+    @classmethod
+    def start(cls, mirror: Mirror, checkpoint: Path, output_dir: Path, keep: int | None, keep_step: int | None):
+        snapshot = checkpoint.parent / f"{TMP_PREFIX}upload_{checkpoint.name}"  # removed at a restart, if left
+        shutil.rmtree(snapshot, ignore_errors=True)
+        shutil.copytree(checkpoint, snapshot / checkpoint.name, copy_function=link_or_copy)
+        for path in existing(output_dir, (METRICS_FILE, CONFIG_FILE)):
+            shutil.copy2(path, snapshot / path.name)  # metrics.jsonl grows as training goes on
+        pending = cls(checkpoint.name, snapshot)
+        pending.thread = threading.Thread(
+            target=pending.run, args=(mirror, keep, keep_step), name=f"upload {checkpoint.name}"
+        )  # not a daemon: an exit (an error, Ctrl-C) waits for it, so the checkpoint still arrives
+        pending.thread.start()
+        return pending
+
+    def run(self, mirror: Mirror, keep: int | None, keep_step: int | None) -> None:
+        try:
+            upload(mirror, self.snapshot / self.name, self.snapshot, keep, keep_step)
+        except Exception as err:  # the storage library's own kinds: reported where the run next waits
+            self.failure = err
+        finally:
+            shutil.rmtree(self.snapshot, ignore_errors=True)
+
+
+UPLOADS: dict[str, Upload] = {}  # output_dir -> its upload on a thread: at most one a run
+
+
+def link_or_copy(source: str, destination: str) -> None:
+    """A hard link, no byte copied; a copy where the file system has none."""
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copy2(source, destination)
+
+
+class UploadFailed(Exception):
+    """An upload on a thread failed; raised where the run next waits for it, naming what it was uploading."""
+
+    def __init__(self, what: str, cause: Exception):
+        super().__init__(what)
+        self.what, self.cause = what, cause
+
+
+def wait_for_upload(config: TrainConfig) -> None:
+    """Until the run's upload on a thread, if any, is done; its failure raised as an UploadFailed."""
+    pending = UPLOADS.pop(config.output_dir, None)
+    if pending is not None:
+        pending.thread.join()
+        if pending.failure is not None:
+            raise UploadFailed(f"checkpoint {pending.name}", pending.failure)
 
 
 def on_main(accelerator, what: str, config: TrainConfig, call) -> None:
@@ -236,6 +316,8 @@ def on_main(accelerator, what: str, config: TrainConfig, call) -> None:
     if accelerator.is_main_process:
         try:
             call()
+        except UploadFailed as err:  # an earlier upload's, on a thread
+            what, failure = err.what, err.cause
         except Exception as err:  # the storage library's own kinds
             failure = err
     if not all_processes_agree(accelerator, failure is None):
@@ -247,18 +329,19 @@ def on_main(accelerator, what: str, config: TrainConfig, call) -> None:
     accelerator.wait_for_everyone()
 
 
-def upload(mirror: Mirror, checkpoint: Path, config: TrainConfig, keep_step: int | None) -> None:
+def upload(mirror: Mirror, checkpoint: Path, run_root: Path, keep: int | None, keep_step: int | None) -> None:
+    """`checkpoint`, then run_root's metrics.jsonl and config.yaml, then the checkpoint's trainer state; then the
+    mirror rotated to `keep` checkpoints (and `keep_step`'s)."""
     complete = {f"step_{step}" for step in mirror.complete_steps()}
     for name in mirror.checkpoint_names():  # incomplete ones from an upload cut off, and this step's older copy
         if name == checkpoint.name or name not in complete:
             mirror.remove_checkpoint(name)
-    output_dir = Path(config.output_dir)
     files = sorted(path for path in checkpoint.rglob("*") if path.is_file() and path.name != STATE_FILE)
     remote = mirror.path(CHECKPOINTS_DIR, checkpoint.name)
     mirror.put(files, checkpoint, remote)
-    mirror.put(existing(output_dir, (METRICS_FILE, CONFIG_FILE)), output_dir, mirror.root)  # before the marker
+    mirror.put(existing(run_root, (METRICS_FILE, CONFIG_FILE)), run_root, mirror.root)  # before the marker
     mirror.put([checkpoint / STATE_FILE], checkpoint, remote)  # last: now the checkpoint is complete
-    rotate(mirror, config.save_total_limit, keep_step)
+    rotate(mirror, keep, keep_step)
     logger.info("checkpoint %s uploaded to %s", checkpoint.name, mirror.url)
 
 
@@ -274,8 +357,14 @@ def upload_run(accelerator, config: TrainConfig) -> None:
     """At the end of training: model/ and the run root's files (metrics.jsonl, config.yaml, eval_results.json,
     predictions.jsonl) to the mirror, from the main process."""
     mirror = mirror_of(config)
-    if mirror is not None:
-        on_main(accelerator, "model/ and metrics.jsonl", config, lambda: upload_final(mirror, Path(config.output_dir)))
+    if mirror is None:
+        return
+
+    def upload_last() -> None:
+        wait_for_upload(config)  # the last checkpoint's, on a thread with --output_mirror_async
+        upload_final(mirror, Path(config.output_dir))
+
+    on_main(accelerator, "model/ and metrics.jsonl", config, upload_last)
 
 
 def upload_final(mirror: Mirror, output_dir: Path) -> None:

@@ -219,9 +219,7 @@ def exit_code(stop: SystemExit) -> int:
 def exit_as_the_interpreter_does(code: int) -> None:
     """What an exiting interpreter does that a run can see (its threads joined, atexit handlers, output flushed),
     without tearing down every module the server imported: that is the tests' cost, not the run's."""
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    threading._shutdown()  # the interpreter's own step: the main thread marked ended, then the others joined
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

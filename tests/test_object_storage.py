@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from scripts.readme_commands import section_commands
-from src.checkpoint import checkpoint_dir
+from src.checkpoint import TrainerState, checkpoint_dir
 from src.config import TrainConfig
 from tests.conftest import (
     QUICK,
@@ -23,6 +23,7 @@ from tests.conftest import (
     free_port,
     read_metrics,
     run_command,
+    run_snippet,
     run_train,
     run_with_hook,
     signal_at,
@@ -217,6 +218,30 @@ def test_upload_killed_half_way_leaves_latest_at_the_previous_checkpoint(s3, uni
     assert_bucket_holds_the_run(s3, bucket, out)  # step_6 and step_8 only: no half of step_4 left
 
 
+PUT_THREADS = """
+import threading, s3fs
+put = s3fs.S3FileSystem.put
+def put_noting_the_thread(self, *args, **kwargs):
+    with open({path!r}, "a") as log:
+        log.write(threading.current_thread().name + "\\n")
+    return put(self, *args, **kwargs)
+s3fs.S3FileSystem.put = put_noting_the_thread
+"""
+
+
+@pytest.mark.slow
+def test_uploads_on_a_thread_leave_the_bucket_as_uploads_in_place(s3, uninterrupted, tmp_path):
+    """--output_mirror_async true: each checkpoint uploaded on its own thread, the end's files on the main one; the
+    same losses, and the same bucket byte for byte, as the run that uploads in place."""
+    out, bucket, threads = tmp_path / "run", s3.bucket(), tmp_path / "threads.txt"
+    args = mirrored(out, bucket, "--output_mirror_async", "true")
+    assert_ok(run_with_hook(tmp_path, args, extra=PUT_THREADS.format(path=str(threads)), env=s3.env))
+    assert set(threads.read_text().split("\n")) - {""} == {"MainThread", *(f"upload step_{n}" for n in (2, 4, 6, 8))}
+    assert train_losses(out)[0] == uninterrupted[2]
+    assert sorted(s3.checkpoints(bucket)) == ["step_6", "step_8"]
+    assert_bucket_holds_the_run(s3, bucket, out)
+
+
 # id -> (the run's --output_mirror given a bucket, the env on top of s3.env, what the error line says)
 BAD = {
     "unreachable endpoint": (
@@ -241,6 +266,43 @@ def test_an_output_dir_url_is_refused_with_the_mirror_option_named(tmp_path):
     result = run_train(*QUICK, "--output_dir", "s3://bucket/run")
     assert_error_line(result, r"--output_dir s3://bucket/run is a URL; .*--output_mirror s3://bucket/run")
     assert not (REPO / "s3:").exists()
+
+
+STOPPED_MID_UPLOAD = """
+import sys, threading, time
+from pathlib import Path
+import fsspec.implementations.local
+from src.checkpoint import TrainerState, checkpoint_dir
+from src.config import TrainConfig
+from src.object_storage import upload_checkpoint
+from tests.test_object_storage import MainProcess
+
+out = Path(sys.argv[1])
+(checkpoint_dir(out, 2)).mkdir(parents=True)
+(checkpoint_dir(out, 2) / "trainer_state.json").write_text("{}")
+put = fsspec.implementations.local.LocalFileSystem.put
+def put_once_the_main_thread_ended(self, *args, **kwargs):
+    while threading.main_thread().is_alive():
+        time.sleep(0.01)
+    return put(self, *args, **kwargs)
+fsspec.implementations.local.LocalFileSystem.put = put_once_the_main_thread_ended
+config = TrainConfig(output_dir=str(out), output_mirror=f"file://{sys.argv[2]}", output_mirror_async=True)
+upload_checkpoint(MainProcess(), config, checkpoint_dir(out, 2), TrainerState(step=2))
+raise ValueError("the task failed")
+"""
+
+
+def test_a_run_stopped_by_an_error_finishes_the_upload_in_flight(tmp_path):
+    result = run_snippet(STOPPED_MID_UPLOAD, str(tmp_path / "run"), str(tmp_path / "mirror"))
+    assert result.returncode == 1 and "ValueError: the task failed" in result.stderr
+    assert (tmp_path / "mirror" / "checkpoints" / "step_2" / "trainer_state.json").is_file()
+
+
+def test_uploads_on_a_thread_need_a_mirror():
+    from src.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"--output_mirror_async uploads to --output_mirror: set it too"):
+        TrainConfig(output_mirror_async=True)
 
 
 @pytest.mark.slow
@@ -322,7 +384,7 @@ def test_file_mirror_sends_the_trainer_state_last_and_fetches_the_newest_complet
         lambda self, lpath, rpath, **kw: (sent.extend(Path(p).name for p in lpath), put(self, lpath, rpath, **kw)),
     )
     for step in (2, 4, 6):  # --save_total_limit 2 and the best model's step_2: all three stay
-        upload_checkpoint(MainProcess(), config, checkpoint_dir(out, step), keep_step=2)
+        upload_checkpoint(MainProcess(), config, checkpoint_dir(out, step), TrainerState(step=step, best_model_step=2))
     assert sorted(sent[:2]) == ["model.safetensors", "weights"] and sent[2:4] == ["metrics.jsonl", "trainer_state.json"]
     assert sorted(p.name for p in (mirror / "checkpoints").iterdir()) == ["step_2", "step_4", "step_6"]
     (mirror / "checkpoints" / "step_6" / "trainer_state.json").unlink()  # as if its upload was cut off before the end
@@ -331,3 +393,61 @@ def test_file_mirror_sends_the_trainer_state_last_and_fetches_the_newest_complet
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2", "step_4"]  # the latest, the best
     assert (checkpoint_dir(out, 4) / "model" / "weights").read_text() == "exported 4"
     assert (out / "metrics.jsonl").read_text() == '{"step": 6}\n'
+
+
+def test_an_upload_on_a_thread_sends_its_snapshot_and_its_failure_stops_the_next(tmp_path, monkeypatch):
+    """--output_mirror_async (file://, no server): the call returns while the upload is held on its thread, the
+    disk's rotation may remove the checkpoint meanwhile (the upload reads hard links), the mirror then holds it byte
+    for byte; a preemption's checkpoint is uploaded before the call returns; a failed upload on a thread stops the
+    run at the next checkpoint, naming the checkpoint that failed."""
+    import threading
+
+    import fsspec.implementations.local
+
+    from src.errors import CheckpointWriteFailed
+    from src.object_storage import UPLOADS, upload_checkpoint, upload_run
+
+    out, mirror = tmp_path / "run", tmp_path / "mirror"
+    config = TrainConfig(output_dir=str(out), output_mirror=f"file://{mirror}", output_mirror_async=True)
+    for step in (2, 4, 6):
+        (checkpoint_dir(out, step)).mkdir(parents=True)
+        (checkpoint_dir(out, step) / "model.safetensors").write_text(f"weights {step}")
+        (checkpoint_dir(out, step) / "trainer_state.json").write_text(json.dumps({"step": step}))
+    (out / "metrics.jsonl").write_text('{"step": 2}\n')
+    entered, release, threads, failing = threading.Event(), threading.Event(), [], set()
+    put = fsspec.implementations.local.LocalFileSystem.put
+
+    def held_put(self, lpath, rpath, **kw):
+        threads.append(threading.current_thread().name)
+        if threads[-1] != "MainThread":
+            entered.set()
+            assert release.wait(30), "never released"
+        if any(path.endswith(tuple(failing)) for path in rpath):
+            raise PermissionError("access denied")
+        return put(self, lpath, rpath, **kw)
+
+    monkeypatch.setattr(fsspec.implementations.local.LocalFileSystem, "put", held_put)
+    upload_checkpoint(MainProcess(), config, checkpoint_dir(out, 2), TrainerState(step=2))
+    assert entered.wait(30) and threads == ["upload step_2"]  # the call returned; the upload is held in its put
+    assert not (mirror / "checkpoints").exists()
+    linked = out / "checkpoints" / ".tmp_upload_step_2" / "step_2" / "model.safetensors"
+    assert linked.stat().st_ino == (checkpoint_dir(out, 2) / "model.safetensors").stat().st_ino  # no byte copied
+    shutil.rmtree(checkpoint_dir(out, 2))  # as --save_total_limit would, on the disk
+    (out / "metrics.jsonl").write_text('{"step": 2}\n{"step": 3}\n')  # the log goes on; the snapshot has step 2's
+    release.set()
+    UPLOADS[str(out)].thread.join()
+    assert (mirror / "checkpoints" / "step_2" / "model.safetensors").read_text() == "weights 2"
+    assert (mirror / "checkpoints" / "step_2" / "trainer_state.json").is_file()
+    assert (mirror / "metrics.jsonl").read_text() == '{"step": 2}\n'
+    assert not list((out / "checkpoints").glob(".tmp_*"))  # the snapshot removed
+
+    threads.clear()
+    upload_checkpoint(MainProcess(), config, checkpoint_dir(out, 4), TrainerState(step=4, preempted=True))
+    assert set(threads) == {"MainThread"} and (mirror / "checkpoints" / "step_4" / "trainer_state.json").is_file()
+    assert str(out) not in UPLOADS
+
+    failing.add("step_6/model.safetensors")
+    upload_checkpoint(MainProcess(), config, checkpoint_dir(out, 6), TrainerState(step=6))  # fails on its thread
+    with pytest.raises(CheckpointWriteFailed, match=r"could not upload checkpoint step_6 to file://.*access denied"):
+        upload_run(MainProcess(), config)
+    assert not (mirror / "checkpoints" / "step_6" / "trainer_state.json").exists()  # never taken for latest
