@@ -93,7 +93,7 @@ def write_atomically(accelerator, path: Path, text: str) -> None:
 
 def remove_incomplete_checkpoints(output_dir: Path) -> None:
     for path in sorted((output_dir / CHECKPOINTS_DIR).glob(f"{TMP_PREFIX}*")):
-        logger.warning("removing %s: left by an interrupted checkpoint write or upload", path)
+        logger.warning("removing %s: an incomplete checkpoint (or upload snapshot) from an interrupted write", path)
         shutil.rmtree(path, ignore_errors=True)
 
 
