@@ -119,7 +119,9 @@ def mirror_of(config: TrainConfig, check: bool = False) -> Mirror | None:
 def check_mirror(config: TrainConfig) -> None:
     """Before anything is read or written: the URL's library is installed, the bucket exists and is reachable, the
     credentials may list and write there, and the mirror holds no other run unless this run continues or replaces
-    it. Every process checks (each would stop anyway); a failure is one line, exit 2, and nothing written."""
+    it. Every process checks (each would stop anyway); a failure is one line, exit 2, and nothing written. First, an
+    upload on a thread that an earlier run in this process left (a notebook, a sweep) is waited for."""
+    finish_earlier_upload()
     if not config.output_mirror:
         return
     url = config.output_mirror
@@ -214,9 +216,6 @@ def prepare_mirror(accelerator, config: TrainConfig, resumed: bool) -> None:
     """A fresh start (check_mirror let it replace the mirror's run) empties the mirror of the previous run, as
     prepare_output_dir empties the local run directory; a resumed run keeps it."""
     mirror = mirror_of(config)
-    if mirror is not None and accelerator.is_main_process:
-        with contextlib.suppress(UploadFailed):  # a run before this one in the process (a notebook), stopped early
-            wait_for_upload(config)
     if mirror is not None and not resumed and accelerator.is_main_process:
         for name in mirror.checkpoint_names():
             mirror.remove_checkpoint(name)
@@ -237,12 +236,15 @@ def upload_checkpoint(accelerator, config: TrainConfig, checkpoint: Path, state:
     output_dir, keep, keep_step = Path(config.output_dir), config.save_total_limit, state.best_model_step
 
     def upload_now() -> None:
-        wait_for_upload(config)
+        try:
+            wait_for_upload()
+        except UploadFailed as err:  # a preemption's checkpoint, newer, still goes up: then the mirror lacks nothing
+            logger.warning("%s; uploading checkpoint %s instead", err, checkpoint.name)
         upload(mirror, checkpoint, output_dir, keep, keep_step)
 
     def upload_on_a_thread() -> None:
-        wait_for_upload(config)
-        UPLOADS[config.output_dir] = Upload.start(mirror, checkpoint, output_dir, keep, keep_step)
+        wait_for_upload()
+        PENDING.append(Upload.start(mirror, checkpoint, output_dir, keep, keep_step))
 
     background = config.output_mirror_async and not state.preempted
     on_main(accelerator, f"checkpoint {checkpoint.name}", config, upload_on_a_thread if background else upload_now)
@@ -254,38 +256,44 @@ class Upload:
     files (a checkpoint's files are written once, never changed) and copies of metrics.jsonl and config.yaml."""
 
     name: str
+    url: str
     snapshot: Path
     thread: threading.Thread | None = None
-    failure: Exception | None = field(default=None, repr=False)
+    failure: BaseException | None = field(default=None, repr=False)
 
     @classmethod
     def start(cls, mirror: Mirror, checkpoint: Path, output_dir: Path, keep: int | None, keep_step: int | None):
         snapshot = checkpoint.parent / f"{TMP_PREFIX}upload_{checkpoint.name}"  # removed at a restart, if left
-        shutil.rmtree(snapshot, ignore_errors=True)
-        shutil.copytree(checkpoint, snapshot / checkpoint.name, copy_function=link_or_copy)
-        for path in existing(output_dir, (METRICS_FILE, CONFIG_FILE)):
-            shutil.copy2(path, snapshot / path.name)  # metrics.jsonl grows as training goes on
-        pending = cls(checkpoint.name, snapshot)
+        try:
+            shutil.rmtree(snapshot, ignore_errors=True)
+            shutil.copytree(checkpoint, snapshot / checkpoint.name, copy_function=link_or_copy)
+            for path in existing(output_dir, (METRICS_FILE, CONFIG_FILE)):
+                shutil.copy2(path, snapshot / path.name)  # metrics.jsonl grows as training goes on
+        except OSError as err:
+            shutil.rmtree(snapshot, ignore_errors=True)
+            raise UploadFailed(f"checkpoint {checkpoint.name}", err, local=True) from err
+        pending = cls(checkpoint.name, mirror.url, snapshot)
         pending.thread = threading.Thread(
             target=pending.run, args=(mirror, keep, keep_step), name=f"upload {checkpoint.name}"
-        )  # not a daemon: an exit (an error, Ctrl-C) waits for it, so the checkpoint still arrives
+        )  # not a daemon: the exit of a run stopped early (an error, Ctrl-C) waits for it
         pending.thread.start()
         return pending
 
     def run(self, mirror: Mirror, keep: int | None, keep_step: int | None) -> None:
         try:
             upload(mirror, self.snapshot / self.name, self.snapshot, keep, keep_step)
-        except Exception as err:  # the storage library's own kinds: reported where the run next waits
+        except BaseException as err:  # the storage library's own kinds; raised where the run next waits
             self.failure = err
+            logger.error("could not upload checkpoint %s to %s: %s", self.name, self.url, describe(err))
         finally:
             shutil.rmtree(self.snapshot, ignore_errors=True)
 
 
-UPLOADS: dict[str, Upload] = {}  # output_dir -> its upload on a thread: at most one a run
+PENDING: list[Upload] = []  # the upload on a thread, if any: one at a time in a process
 
 
 def link_or_copy(source: str, destination: str) -> None:
-    """A hard link, no byte copied; a copy where the file system has none."""
+    """A hard link, no byte copied; a copy where the file system has none (the disk holds it twice meanwhile)."""
     try:
         os.link(source, destination)
     except OSError:
@@ -293,35 +301,47 @@ def link_or_copy(source: str, destination: str) -> None:
 
 
 class UploadFailed(Exception):
-    """An upload on a thread failed; raised where the run next waits for it, naming what it was uploading."""
+    """An upload on a thread failed (or its snapshot could not be made: `local`), raised where the run waits for it,
+    naming what it was uploading."""
 
-    def __init__(self, what: str, cause: Exception):
-        super().__init__(what)
-        self.what, self.cause = what, cause
+    def __init__(self, what: str, cause: BaseException, local: bool = False):
+        super().__init__(f"could not upload {what} ({type(cause).__name__}: {one_line(cause)})")
+        self.what, self.cause, self.local = what, cause, local
 
 
-def wait_for_upload(config: TrainConfig) -> None:
-    """Until the run's upload on a thread, if any, is done; its failure raised as an UploadFailed."""
-    pending = UPLOADS.pop(config.output_dir, None)
-    if pending is not None:
+def wait_for_upload() -> None:
+    """Until the upload on a thread, if any, is done; its failure raised as an UploadFailed."""
+    while PENDING:
+        pending = PENDING.pop()
         pending.thread.join()
         if pending.failure is not None:
             raise UploadFailed(f"checkpoint {pending.name}", pending.failure)
 
 
+def finish_earlier_upload() -> None:
+    """An earlier run's upload on a thread (a run in this process that stopped early) finished before this run
+    touches its directories; its failure was logged as it happened."""
+    if PENDING:
+        logger.info("waiting for the upload of checkpoint %s from an earlier run", PENDING[-1].name)
+    with contextlib.suppress(UploadFailed):
+        wait_for_upload()
+
+
 def on_main(accelerator, what: str, config: TrainConfig, call) -> None:
     """`call()` on the main process while the others wait; a failure stops every process (exit 74) with one line:
     the local run directory is intact."""
-    failure = None
+    failure, reason = None, "an upload on the main process failed (its error line names it)"
     if accelerator.is_main_process:
         try:
             call()
-        except UploadFailed as err:  # an earlier upload's, on a thread
+        except UploadFailed as err:  # an earlier upload's, on a thread, or a snapshot's on the local disk
             what, failure = err.what, err.cause
+            reason = f"{type(failure).__name__}: {one_line(failure)}" if err.local else describe(failure)
         except Exception as err:  # the storage library's own kinds
-            failure = err
+            failure, reason = err, describe(err)
     if not all_processes_agree(accelerator, failure is None):
-        reason = describe(failure) if failure else "failed on the main process"
+        if failure is None:  # another process: the main one says which upload and why
+            raise CheckpointWriteFailed(f"{reason}; the local run directory is intact")
         raise CheckpointWriteFailed(
             f"could not upload {what} to {config.output_mirror} ({reason}); the local run directory is intact: "
             "resume with --resume_from_checkpoint latest"
@@ -361,7 +381,7 @@ def upload_run(accelerator, config: TrainConfig) -> None:
         return
 
     def upload_last() -> None:
-        wait_for_upload(config)  # the last checkpoint's, on a thread with --output_mirror_async
+        wait_for_upload()  # the last checkpoint's, on a thread with --output_mirror_async
         upload_final(mirror, Path(config.output_dir))
 
     on_main(accelerator, "model/ and metrics.jsonl", config, upload_last)

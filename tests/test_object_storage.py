@@ -395,59 +395,113 @@ def test_file_mirror_sends_the_trainer_state_last_and_fetches_the_newest_complet
     assert (out / "metrics.jsonl").read_text() == '{"step": 6}\n'
 
 
-def test_an_upload_on_a_thread_sends_its_snapshot_and_its_failure_stops_the_next(tmp_path, monkeypatch):
-    """--output_mirror_async (file://, no server): the call returns while the upload is held on its thread, the
-    disk's rotation may remove the checkpoint meanwhile (the upload reads hard links), the mirror then holds it byte
-    for byte; a preemption's checkpoint is uploaded before the call returns; a failed upload on a thread stops the
-    run at the next checkpoint, naming the checkpoint that failed."""
-    import threading
+class HeldPuts:
+    """LocalFileSystem.put patched: a put on an upload thread waits for `release`; puts to a path ending in one of
+    `failing` raise PermissionError; `threads` notes each put's thread."""
 
-    import fsspec.implementations.local
+    def __init__(self, monkeypatch):
+        import threading
 
-    from src.errors import CheckpointWriteFailed
-    from src.object_storage import UPLOADS, upload_checkpoint, upload_run
+        import fsspec.implementations.local
 
+        self.entered, self.release, self.threads, self.failing = threading.Event(), threading.Event(), [], set()
+        put = fsspec.implementations.local.LocalFileSystem.put
+
+        def held_put(fs, lpath, rpath, **kw):
+            self.threads.append(threading.current_thread().name)
+            if self.threads[-1] != "MainThread":
+                self.entered.set()
+                assert self.release.wait(30), "never released"
+            if any(path.endswith(tuple(self.failing)) for path in rpath):
+                raise PermissionError("access denied")
+            return put(fs, lpath, rpath, **kw)
+
+        monkeypatch.setattr(fsspec.implementations.local.LocalFileSystem, "put", held_put)
+
+
+def async_run(tmp_path, steps=(2, 4, 6)) -> tuple[Path, Path, TrainConfig]:
     out, mirror = tmp_path / "run", tmp_path / "mirror"
-    config = TrainConfig(output_dir=str(out), output_mirror=f"file://{mirror}", output_mirror_async=True)
-    for step in (2, 4, 6):
+    for step in steps:
         (checkpoint_dir(out, step)).mkdir(parents=True)
         (checkpoint_dir(out, step) / "model.safetensors").write_text(f"weights {step}")
         (checkpoint_dir(out, step) / "trainer_state.json").write_text(json.dumps({"step": step}))
     (out / "metrics.jsonl").write_text('{"step": 2}\n')
-    entered, release, threads, failing = threading.Event(), threading.Event(), [], set()
-    put = fsspec.implementations.local.LocalFileSystem.put
+    return out, mirror, TrainConfig(output_dir=str(out), output_mirror=f"file://{mirror}", output_mirror_async=True)
 
-    def held_put(self, lpath, rpath, **kw):
-        threads.append(threading.current_thread().name)
-        if threads[-1] != "MainThread":
-            entered.set()
-            assert release.wait(30), "never released"
-        if any(path.endswith(tuple(failing)) for path in rpath):
-            raise PermissionError("access denied")
-        return put(self, lpath, rpath, **kw)
 
-    monkeypatch.setattr(fsspec.implementations.local.LocalFileSystem, "put", held_put)
+def test_an_upload_on_a_thread_sends_its_snapshot_and_the_next_waits_for_it(tmp_path, monkeypatch):
+    """--output_mirror_async (file://, no server): the call returns while the upload is held on its thread, the
+    disk's rotation may remove the checkpoint meanwhile (the upload reads hard links) and the log goes on; the next
+    checkpoint's upload starts only once this one is done; the mirror then holds both, byte for byte."""
+    import threading
+
+    from src.object_storage import PENDING, upload_checkpoint, upload_run
+
+    out, mirror, config = async_run(tmp_path)
+    puts = HeldPuts(monkeypatch)
     upload_checkpoint(MainProcess(), config, checkpoint_dir(out, 2), TrainerState(step=2))
-    assert entered.wait(30) and threads == ["upload step_2"]  # the call returned; the upload is held in its put
+    assert puts.entered.wait(30) and puts.threads == ["upload step_2"]  # the call returned; the upload is held
     assert not (mirror / "checkpoints").exists()
     linked = out / "checkpoints" / ".tmp_upload_step_2" / "step_2" / "model.safetensors"
     assert linked.stat().st_ino == (checkpoint_dir(out, 2) / "model.safetensors").stat().st_ino  # no byte copied
     shutil.rmtree(checkpoint_dir(out, 2))  # as --save_total_limit would, on the disk
     (out / "metrics.jsonl").write_text('{"step": 2}\n{"step": 3}\n')  # the log goes on; the snapshot has step 2's
-    release.set()
-    UPLOADS[str(out)].thread.join()
+
+    joining, join = threading.Event(), PENDING[0].thread.join
+    PENDING[0].thread.join = lambda *args: (joining.set(), join(*args))
+    puts.entered.clear()
+    next_upload = threading.Thread(
+        target=upload_checkpoint, args=(MainProcess(), config, checkpoint_dir(out, 4), TrainerState(step=4))
+    )
+    next_upload.start()
+    for _ in range(3000):  # until it waits for step_2's upload (right) or starts its own (wrong); 30 s at most
+        if joining.is_set() or puts.entered.is_set():
+            break
+        next_upload.join(0.01)
+    assert joining.is_set() and not puts.entered.is_set()  # waiting: step_4's upload has not begun
+    puts.release.set()
+    next_upload.join()
+    upload_run(MainProcess(), config)  # the end: waits for step_4's
+    assert puts.threads[:6] == ["upload step_2"] * 3 + ["upload step_4"] * 3 and set(puts.threads[6:]) == {"MainThread"}
     assert (mirror / "checkpoints" / "step_2" / "model.safetensors").read_text() == "weights 2"
-    assert (mirror / "checkpoints" / "step_2" / "trainer_state.json").is_file()
-    assert (mirror / "metrics.jsonl").read_text() == '{"step": 2}\n'
-    assert not list((out / "checkpoints").glob(".tmp_*"))  # the snapshot removed
+    assert (mirror / "checkpoints" / "step_4" / "trainer_state.json").is_file()
+    assert not list((out / "checkpoints").glob(".tmp_*")) and not PENDING  # the snapshots removed
 
-    threads.clear()
-    upload_checkpoint(MainProcess(), config, checkpoint_dir(out, 4), TrainerState(step=4, preempted=True))
-    assert set(threads) == {"MainThread"} and (mirror / "checkpoints" / "step_4" / "trainer_state.json").is_file()
-    assert str(out) not in UPLOADS
 
-    failing.add("step_6/model.safetensors")
+def test_a_failed_upload_on_a_thread_stops_the_next_and_a_preemption_still_uploads(tmp_path, monkeypatch, caplog):
+    """The failure is logged as it happens and stops the run (exit 74) at the next checkpoint, naming the one that
+    failed; on another process the line points at the main one's. A preemption's checkpoint is uploaded at once,
+    even after a failed upload: then the mirror lacks nothing."""
+    from src.errors import CheckpointWriteFailed
+    from src.object_storage import PENDING, upload_checkpoint
+
+    out, mirror, config = async_run(tmp_path, steps=(2, 4, 6, 8))
+    puts = HeldPuts(monkeypatch)
+    puts.release.set()
+    puts.failing.add("step_2/model.safetensors")
+    upload_checkpoint(MainProcess(), config, checkpoint_dir(out, 2), TrainerState(step=2))
+    PENDING[0].thread.join()
+    assert "could not upload checkpoint step_2 to file://" in caplog.text  # said at once, whatever comes next
+    with pytest.raises(CheckpointWriteFailed, match=r"could not upload checkpoint step_2 to file://.*access denied"):
+        upload_checkpoint(MainProcess(), config, checkpoint_dir(out, 4), TrainerState(step=4))
+    assert not (mirror / "checkpoints" / "step_2" / "trainer_state.json").exists()  # never taken for latest
+
+    puts.failing.add("step_6/model.safetensors")
     upload_checkpoint(MainProcess(), config, checkpoint_dir(out, 6), TrainerState(step=6))  # fails on its thread
-    with pytest.raises(CheckpointWriteFailed, match=r"could not upload checkpoint step_6 to file://.*access denied"):
-        upload_run(MainProcess(), config)
-    assert not (mirror / "checkpoints" / "step_6" / "trainer_state.json").exists()  # never taken for latest
+    PENDING[0].thread.join()
+    puts.threads.clear()
+    upload_checkpoint(MainProcess(), config, checkpoint_dir(out, 8), TrainerState(step=8, preempted=True))
+    assert set(puts.threads) == {"MainThread"} and (mirror / "checkpoints" / "step_8" / "trainer_state.json").is_file()
+    assert "could not upload checkpoint step_6" in caplog.text and not PENDING
+
+    with pytest.raises(CheckpointWriteFailed, match=r"^an upload on the main process failed \(its error line"):
+        upload_checkpoint(OtherProcess(), config, checkpoint_dir(out, 8), TrainerState(step=8))
+
+
+class OtherProcess(MainProcess):
+    """Rank 1 of 2, whose main process failed: the sum of the two agreements is 1."""
+
+    is_main_process, num_processes, device = False, 2, "cpu"
+
+    def reduce(self, flag, reduction):
+        return flag
