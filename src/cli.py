@@ -114,9 +114,7 @@ def resolve(config: TrainConfig) -> TrainConfig:
     options = dataclasses.asdict(parse_task_options(cls, config.task_args))
     data_files = config.data_files
     if not config.dataset_name and not data_files:
-        data_files = cls.default_data_files
-        if not data_files:
-            raise UsageError(f"no data for --task {config.task}: set --data_files (local files) or --dataset_name")
+        data_files = cls.default_data_files  # none: a task whose data is its own (src/data.py says so if it reads)
     output_dir = config.output_dir or f"runs/{task_name(config.task)}"
     model = config.model_name_or_path or (None if config.do_train else f"{output_dir}/model")  # the run's own model
     return dataclasses.replace(

@@ -67,7 +67,7 @@ class TrainConfig:
     max_steps: int = -1  # > 0 overrides num_train_epochs; counted in optimiser steps
     per_device_train_batch_size: int = 32  # samples per process per forward pass
     per_device_eval_batch_size: int = 128
-    gradient_accumulation_steps: int = 1  # used only when global_batch_size is None
+    gradient_accumulation_steps: int = 1  # used with global_batch_size null; else the global batch sets it
     global_batch_size: int | None = 64  # if set: accumulation = global / (per-device batch x processes)
     learning_rate: float = 3e-3  # peak learning rate (AdamW)
     weight_decay: float = 0.01  # not applied to biases and normalisation weights
@@ -217,7 +217,15 @@ def resolve_global_batch(config: TrainConfig, num_processes: int) -> int:
             f"{config.per_device_train_batch_size} x {num_processes} processes = {per_step}; "
             f"pick a multiple of {per_step} or change --per_device_train_batch_size"
         )
-    return config.global_batch_size // per_step
+    steps = config.global_batch_size // per_step
+    if config.gradient_accumulation_steps not in (1, steps):  # given, and not what the global batch makes
+        raise UsageError(
+            f"--gradient_accumulation_steps {config.gradient_accumulation_steps} does not apply: --global_batch_size "
+            f"{config.global_batch_size} sets it ({steps} here, with {config.per_device_train_batch_size} x "
+            f"{num_processes} processes); set --global_batch_size "
+            f"{per_step * config.gradient_accumulation_steps} instead, or --global_batch_size null to keep it"
+        )
+    return steps
 
 
 def field_help(cls) -> dict[str, str]:

@@ -141,6 +141,8 @@ def reads_local_files(config: TrainConfig) -> bool:
     `parquet`, ...): the files are read, the Hub is never asked."""
     if config.dataset_name not in (None, *LOCAL_BUILDERS):
         return False
+    if not config.data_files and config.dataset_name is None:
+        raise no_data(config)
     if not config.data_files:
         raise UsageError(
             f"--dataset_name {config.dataset_name} reads local files: set --data_files, e.g. "
@@ -149,8 +151,15 @@ def reads_local_files(config: TrainConfig) -> bool:
     return True
 
 
+def no_data(config: TrainConfig) -> UsageError:
+    """Asked for data files or a dataset, and the config names neither (the task has no default_data_files)."""
+    return UsageError(f"no data for --task {config.task}: set --data_files (local files) or --dataset_name")
+
+
 def has_split(config: TrainConfig, name: str) -> bool:
-    """Whether the data holds split `name` (the optional test split)."""
+    """Whether the data holds split `name` (the optional test split); no data named: none (the task's own data)."""
+    if not (config.data_files or config.dataset_name):
+        return False
     if not reads_local_files(config):
         return name in load_hub_dataset(config)
     return name in config.data_files

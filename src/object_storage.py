@@ -128,6 +128,8 @@ def check_mirror(config: TrainConfig) -> None:
     if "://" not in url:
         raise UsageError(f"--output_mirror {url} is not a URL; use one like s3://bucket/run (or file:///path)")
     protocol = url.split("://", 1)[0]
+    if protocol == "file" and not url.startswith("file:///"):  # file://tmp/run names the relative path tmp/run
+        raise UsageError(f"--output_mirror {url} has no absolute path; use file:///absolute/path (three slashes)")
     try:
         mirror = mirror_of(config, check=True)
     except ImportError as err:

@@ -24,7 +24,7 @@ from pathlib import Path
 from torch.utils.data import IterableDataset
 
 from src.config import TrainConfig
-from src.data import FILE_BUILDERS, missing_split
+from src.data import FILE_BUILDERS, missing_split, no_data
 from src.errors import UsageError
 from src.hub import check_hub_repo
 
@@ -37,6 +37,8 @@ def load_stream(config: TrainConfig, split: str):
     if config.dataset_name:
         check_hub_repo(config.dataset_name, "dataset", flag="--dataset_name", instead="use --data_files")
         return datasets.load_dataset(config.dataset_name, config.dataset_config_name, split=split, streaming=True)
+    if not config.data_files:
+        raise no_data(config)
     pattern = config.data_files.get(split)
     if pattern is None:
         raise missing_split(config, split, list(config.data_files))

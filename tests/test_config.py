@@ -46,6 +46,16 @@ def test_global_batch_sets_accumulation_per_world_size():
     assert resolve_global_batch(TrainConfig(global_batch_size=None, gradient_accumulation_steps=3), 8) == 3
 
 
+def test_accumulation_given_beside_a_global_batch_that_sets_another_is_refused():
+    config = TrainConfig(global_batch_size=64, per_device_train_batch_size=16, gradient_accumulation_steps=4)
+    assert resolve_global_batch(config, 1) == 4  # what the global batch makes anyway
+    fix = r"it \(2 here, .*set --global_batch_size 128 instead, or --global_batch_size null"
+    with pytest.raises(
+        UsageError, match=r"--gradient_accumulation_steps 4 does not apply: --global_batch_size 64 sets " + fix
+    ):
+        resolve_global_batch(config, 2)
+
+
 def test_global_batch_not_divisible_names_the_fix():
     config = TrainConfig(global_batch_size=64, per_device_train_batch_size=24)
     with pytest.raises(UsageError, match="not divisible.*24 x 2 processes = 48"):

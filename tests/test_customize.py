@@ -18,6 +18,7 @@ import yaml
 from src.cli import parse_config
 from src.errors import UsageError
 from tests.conftest import (
+    QUICK,
     REPO,
     assert_ok,
     assert_processes,
@@ -27,6 +28,7 @@ from tests.conftest import (
     run_train,
     series,
 )
+from tests.test_errors import assert_error_line
 
 GUIDE = (REPO / "docs" / "customize.md").read_text()
 
@@ -167,3 +169,38 @@ def test_the_guides_ema_diff_to_train_py_is_the_same_on_1_and_2_processes(tmp_pa
 
     resumed = run(1, tmp_path / "resumed", "--resume_from_checkpoint", str(tmp_path / "run1/checkpoints/step_20"))
     assert resumed[-1]["eval_ema/loss"] == pytest.approx(final[0]["eval_ema/loss"], abs=1e-5, rel=0)
+
+
+IN_MEMORY_TASK = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from src.tasks.classification import ClassificationTask
+
+
+class Sign(ClassificationTask):
+    \"\"\"Data made in memory, no files: the sign of a number.\"\"\"
+
+    def build_datasets(self):
+        x = torch.linspace(-1, 1, 128).unsqueeze(1)
+        return TensorDataset(x, (x[:, 0] > 0).long()), TensorDataset(x[::8], (x[::8, 0] > 0).long())
+
+    def build_model(self):
+        return nn.Linear(1, 2)
+"""
+
+
+@pytest.mark.slow
+def test_a_task_with_its_own_data_needs_no_data_files_and_says_what_evaluation_needs(tmp_path):
+    """A task that makes its data trains without --data_files; evaluating it without training, with no
+    build_eval_dataset(), is one error line naming that method, exit 2, before anything is written."""
+    (tmp_path / "sign_task.py").write_text(IN_MEMORY_TASK)
+    env = {"PYTHONPATH": str(tmp_path)}
+    trained = run_train("--task", "sign_task", *QUICK, "--output_dir", str(tmp_path / "run"), env=env)
+    assert_ok(trained)
+    assert (tmp_path / "run" / "model" / "model.safetensors").is_file()
+    evaluated = run_train("--task", "sign_task", "--do_train", "false", "--model_name_or_path", str(tmp_path / "run"),
+                          "--output_dir", str(tmp_path / "eval"), env=env)  # fmt: skip
+    assert_error_line(evaluated, r"--task Sign has no build_eval_dataset\(split, labelled\).*docs/customize.md")
+    assert not (tmp_path / "eval").exists()

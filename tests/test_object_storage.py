@@ -298,11 +298,14 @@ def test_a_run_stopped_by_an_error_finishes_the_upload_in_flight(tmp_path):
     assert (tmp_path / "mirror" / "checkpoints" / "step_2" / "trainer_state.json").is_file()
 
 
-def test_uploads_on_a_thread_need_a_mirror():
+def test_uploads_on_a_thread_need_a_mirror_and_a_file_mirror_an_absolute_path(tmp_path):
     from src.errors import UsageError
+    from src.object_storage import check_mirror
 
     with pytest.raises(UsageError, match=r"--output_mirror_async uploads to --output_mirror: set it too"):
         TrainConfig(output_mirror_async=True)
+    with pytest.raises(UsageError, match=r"file://tmp/run has no absolute path; use file:///absolute/path"):
+        check_mirror(TrainConfig(output_dir=str(tmp_path / "run"), output_mirror="file://tmp/run"))
 
 
 @pytest.mark.slow

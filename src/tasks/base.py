@@ -98,8 +98,9 @@ class Task:
     def build_eval_dataset(self, split: str, labelled: bool = True) -> Dataset:
         """One split (the test split, or the eval split when not training) built without reading the train split.
         `labelled` False: for predictions only, so the split may lack labels."""
-        raise NotImplementedError(
-            f"{type(self).__name__} must implement build_eval_dataset() to evaluate without training or on a test split"
+        raise UsageError(
+            f"--task {type(self).__name__} has no build_eval_dataset(split, labelled), which evaluating without "
+            "training, a test split and --do_predict need: implement it (docs/customize.md)"
         )
 
     def build_train_stream(self) -> IterableDataset:
