@@ -18,4 +18,4 @@ else  # the CPU wheel from PyTorch's own index; its dependencies come from PyPI 
     pip install -q --no-deps --retries 2 "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu
 fi
 pip install -q -r requirements.txt -r requirements-dev.txt
-echo "ready: $VENV ($("$VENV/bin/python" -c 'import torch, accelerate; print(f"torch {torch.__version__}, accelerate {accelerate.__version__}")'))"
+echo "ready: $VENV ($("$VENV/bin/python" -c 'import torch, accelerate; print(f"torch {torch.__version__}, accelerate {accelerate.__version__}")')); activate it with: source $VENV/bin/activate"

@@ -205,3 +205,14 @@ def test_guide_task_commands(tmp_path):
         assert_ok(run_command(as_written(command) + extra, cwd=cwd, timeout=600))
         if extra:
             assert_processes(cwd / f"run{i}", 2 if "launch" in command else 1)
+
+
+@pytest.mark.slow
+def test_launching_from_python_runs_as_written(tmp_path):
+    """docs/launching.md's `From Python:` block, as written, in a folder with its own runs/: both runs train."""
+    page = (REPO / "docs" / "launching.md").read_text()
+    block = re.search(r"From Python:\n\n```python\n(.*?)```", page, re.S).group(1)
+    result = run_command([sys.executable, "-c", block], cwd=workspace(tmp_path))
+    assert result.returncode == 0, result.stderr[-2000:]
+    for name in ("flags", "config"):
+        assert (tmp_path / "runs" / name / "model" / "model.safetensors").is_file(), name
