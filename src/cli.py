@@ -93,7 +93,9 @@ def find_task_name(argv: list[str]) -> str:
 
 
 def suggestion(err: Exception, parser, task_cls, name: str) -> str:
-    """'; did you mean --x?' for an unknown key, or the task whose option it is."""
+    """'; did you mean --x?' for an unknown key, or the task whose option it is; the form of --data_files."""
+    if 'Parser key "data_files"' in str(err):  # most often a colon without its space: YAML reads one string
+        return "; --data_files is a YAML mapping with a space after each colon: '{train: a.parquet, eval: b.parquet}'"
     known = {a.dest for a in parser._actions}
     words = re.findall(r"--(\w+)|'(\w+)'", str(err))  # flags and quoted keys, in the message's order
     unknown = [w for pair in words for w in pair if w and w not in known]

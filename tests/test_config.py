@@ -29,6 +29,7 @@ def test_yaml_then_command_line_override(tmp_path):
         ("", ["--max_steps", "-5"], "--max_steps must be > 0"),
         ("", ["--report_to", "mlfow"], "unknown --report_to mlfow; did you mean mlflow?"),
         ("key: [unclosed\n", [], "config"),
+        ("", ["--data_files", "{train:a.parquet, eval:b.parquet}"], "a YAML mapping with a space after each colon"),
     ],
 )
 def test_bad_config_is_a_usage_error(tmp_path, yaml_text, flags, message):
