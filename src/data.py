@@ -7,6 +7,7 @@ Training data held in tensors skips the DataLoader's per-sample fetch: `train_da
 prepared loader's own indices (`IndexBatches`), so the batches, their order and the sharding stay the loader's.
 """
 
+import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import islice
@@ -18,6 +19,8 @@ from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 from src.config import TrainConfig
 from src.errors import TaskFailed, UsageError, describe
 from src.hub import check_hub_repo
+
+logger = logging.getLogger(__name__)
 
 FILE_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".jsonl": "json"}
 FOLDER_BUILDER = "imagefolder"  # a folder as a split's data_files: its images, labelled by their class subfolders
@@ -300,6 +303,13 @@ def check_split_sizes(train_loader: DataLoader, eval_loader: DataLoader, global_
         raise UsageError(
             f"the eval split has {eval_size} samples, fewer than the {num_processes} processes; "
             "use a larger eval split or fewer processes"
+        )
+    left_out = train_size % global_batch  # an epoch is whole global batches: the rest waits for the next epoch
+    if left_out > 0.1 * train_size:
+        logger.warning(
+            "the train split's %d samples fill %d global batches of %d an epoch: %d (%.0f%%) are left out of each "
+            "epoch (others each time, the order being shuffled); lower --global_batch_size to use more of them",
+            *(train_size, train_size // global_batch, global_batch, left_out, 100 * left_out / train_size),
         )
 
 

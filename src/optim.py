@@ -37,6 +37,12 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, kind: str) -> floa
 
 def build_scheduler(optimizer, config: TrainConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     warmup = 0 if config.lr_scheduler_type == "constant" else config.warmup_steps
+    if warmup >= total_steps:  # a short run with the default 20 steps of warmup: its curve would look wrong
+        logger.warning(
+            "--warmup_steps %d covers all %d steps of this run: the learning rate only rises; lower --warmup_steps",
+            warmup,
+            total_steps,
+        )
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, total_steps, warmup, config.lr_scheduler_type)
     )

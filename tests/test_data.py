@@ -235,3 +235,17 @@ def test_train_data_smaller_than_one_window_is_a_usage_error():
 
     with pytest.raises(UsageError, match="fewer samples than one global batch"):
         next(train_windows(Epochs(1), 2, DataPosition()))
+
+
+def test_a_train_split_that_leaves_much_out_of_each_epoch_is_warned_about(caplog):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from src.data import check_split_sizes
+
+    def loaders(rows: int):
+        return DataLoader(TensorDataset(torch.zeros(rows, 1))), DataLoader(TensorDataset(torch.zeros(8, 1)))
+
+    check_split_sizes(*loaders(138), global_batch=64, num_processes=2)  # 10 of 138 left out: no word
+    assert "left out" not in caplog.text
+    check_split_sizes(*loaders(120), global_batch=64, num_processes=2)
+    assert "the train split's 120 samples fill 1 global batches of 64 an epoch: 56 (47%) are left out" in caplog.text

@@ -99,3 +99,11 @@ def test_fused_adamw_only_when_asked():
     assert not build_optimizer(model, TrainConfig()).defaults["fused"]
     fused = build_optimizer(model, TrainConfig(), fused=True)
     assert all(group["fused"] for group in fused.param_groups)
+
+
+def test_a_run_shorter_than_its_warmup_is_warned_about(caplog):
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    build_scheduler(optimizer, TrainConfig(warmup_steps=20), total_steps=100)
+    assert "warmup_steps" not in caplog.text
+    build_scheduler(optimizer, TrainConfig(warmup_steps=20), total_steps=20)
+    assert "--warmup_steps 20 covers all 20 steps of this run: the learning rate only rises" in caplog.text
