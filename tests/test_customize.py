@@ -4,6 +4,7 @@ The code blocks are taken from the guide verbatim, each found by its first line 
 rot: what a reader copies is what these tests run.
 """
 
+import json
 import re
 import shutil
 import subprocess
@@ -188,19 +189,29 @@ class Sign(ClassificationTask):
 
     def build_model(self):
         return nn.Linear(1, 2)
+
+
+class SignEvaluated(Sign):
+    def build_eval_dataset(self, split, labelled=True):
+        x = torch.linspace(-1, 1, 16).unsqueeze(1)
+        return TensorDataset(x, (x[:, 0] > 0).long()) if labelled else TensorDataset(x)
 """
 
 
 @pytest.mark.slow
 def test_a_task_with_its_own_data_needs_no_data_files_and_says_what_evaluation_needs(tmp_path):
-    """A task that makes its data trains without --data_files; evaluating it without training, with no
-    build_eval_dataset(), is one error line naming that method, exit 2, before anything is written."""
+    """A task that makes its data trains and predicts without --data_files (rows without ids); evaluating one without
+    build_eval_dataset() and without training is one error line naming that method, exit 2, before anything is
+    written."""
     (tmp_path / "sign_task.py").write_text(IN_MEMORY_TASK)
     env = {"PYTHONPATH": str(tmp_path)}
-    trained = run_train("--task", "sign_task", *QUICK, "--output_dir", str(tmp_path / "run"), env=env)
+    trained = run_train("--task", "sign_task.SignEvaluated", *QUICK, "--do_predict", "true",
+                        "--output_dir", str(tmp_path / "run"), env=env)  # fmt: skip
     assert_ok(trained)
     assert (tmp_path / "run" / "model" / "model.safetensors").is_file()
-    evaluated = run_train("--task", "sign_task", "--do_train", "false", "--model_name_or_path", str(tmp_path / "run"),
-                          "--output_dir", str(tmp_path / "eval"), env=env)  # fmt: skip
+    rows = [json.loads(line) for line in (tmp_path / "run" / "predictions.jsonl").read_text().splitlines()]
+    assert len(rows) == 16 and set(rows[0]) == {"prediction", "probabilities"}
+    evaluated = run_train("--task", "sign_task.Sign", "--do_train", "false", "--model_name_or_path",
+                          str(tmp_path / "run"), "--output_dir", str(tmp_path / "eval"), env=env)  # fmt: skip
     assert_error_line(evaluated, r"--task Sign has no build_eval_dataset\(split, labelled\).*docs/customize.md")
     assert not (tmp_path / "eval").exists()

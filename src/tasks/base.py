@@ -128,6 +128,8 @@ class Task:
         """The id of each row build_eval_dataset(split, labelled=False) holds, in order, for predictions.jsonl; None
         without ids. Default: the split's `--id_column` read with src/data.py's loaders (Parquet, CSV, JSON, the
         Hub), None where the split has no such column. A task that reads other data returns its own."""
+        if not (self.config.data_files or self.config.dataset_name):  # the task's own data, made in memory
+            return None
         table = load_tables(self.config, [split], columns=[self.config.id_column])[split]
         return table.column(self.config.id_column).to_pylist() if table.num_columns else None
 
