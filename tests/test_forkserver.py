@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, fork_server, run_command, run_python, run_snippet
+from tests.conftest import REPO, fork_server, free_port, run_command, run_python, run_snippet
 
 SCRIPT = """
 import atexit, os, signal, sys, threading, time
@@ -112,8 +112,10 @@ if sys.argv[1] == "fail":
 
 
 def launch(script, what: str, marker) -> list[str]:
+    """A free port: torch's default 29500 is the notebook's (test_scale runs it beside this on the other worker)."""
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/ddp.yaml",
-            "--num_processes", "2", "--monitor_interval", "0.2", script, what, str(marker)]  # fmt: skip
+            "--num_processes", "2", "--monitor_interval", "0.2", "--main_process_port", str(free_port()),
+            script, what, str(marker)]  # fmt: skip
 
 
 @pytest.mark.parametrize("what", ["ok", "fail"])
