@@ -144,9 +144,9 @@ def reads_local_files(config: TrainConfig) -> bool:
     `parquet`, ...): the files are read, the Hub is never asked."""
     if config.dataset_name not in (None, *LOCAL_BUILDERS):
         return False
-    if not config.data_files and config.dataset_name is None:
-        raise no_data(config)
     if not config.data_files:
+        if config.dataset_name is None:
+            raise no_data(config)
         raise UsageError(
             f"--dataset_name {config.dataset_name} reads local files: set --data_files, e.g. "
             "'{train: data/my_images/train, eval: data/my_images/eval}'"

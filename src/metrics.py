@@ -6,6 +6,7 @@ all processes agree on the result: no "4 accuracies on 4 GPUs". A metric is a `M
 """
 
 import uuid
+from collections import Counter
 from pathlib import Path
 from typing import Protocol
 
@@ -65,12 +66,10 @@ class Metrics:
 
     def compute(self) -> dict:
         results = [metric.compute() for metric in self.metrics]
-        merged = {name: value for result in results for name, value in result.items()}
-        if len(merged) < sum(len(result) for result in results):
-            names = [name for result in results for name in result]
-            twice = sorted({name for name in names if names.count(name) > 1})
+        twice = sorted(name for name, count in Counter(name for r in results for name in r).items() if count > 1)
+        if twice:
             raise TaskFailed(f"two metrics both give {', '.join(twice)}; keep one of them in --metrics")
-        return merged
+        return {name: value for result in results for name, value in result.items()}
 
 
 def load_metrics(names: list[str]) -> Metric | None:
