@@ -22,53 +22,38 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import find_executable_batch_size, set_seed
 from torch import nn
 from torch.utils.data import DataLoader
 
+from src import (
+    checkpoint,
+    data,
+    distributed,
+    errors,
+    features,
+    final_model,
+    index_batches,
+    meters,
+    optim,
+    run_dir,
+    strategy,
+    tasks,
+    tracking,
+)
 from src.best import BestEvaluation
-from src.checkpoint import TrainerState, checkpoint_dir, resume, save_checkpoint
-from src.cli import parse_config, resolve
+from src.cli import parse_config
 from src.config import TrainConfig
-from src.data import (
-    DataPosition,
-    build_loaders,
-    build_predict_loader,
-    build_test_loader,
-    global_batch,
-    predicted_split,
-    train_windows,
-)
-from src.distributed import (
-    build_accelerator,
-    compile_model,
-    enable_gradient_checkpointing,
-    end_training,
-    let_gloo_settle,
-    summed_loss_scale,
-    sync_batchnorm,
-)
-from src.errors import TrainingPreempted, command_line
-from src.fast_path import DirectOptimizer, train_data
-from src.final_model import export_model, model_to_evaluate, save_final_model
-from src.hub import check_hub_push, push_to_hub
-from src.meters import TrainMeters, step_profiler
 from src.metrics import Metric, load_metrics
-from src.object_storage import check_mirror, fetch_checkpoint, prepare_mirror, upload_checkpoint, upload_run
-from src.optim import build_optimizer, build_scheduler
 from src.preemption import PreemptionSignals
-from src.run_dir import EVAL_RESULTS_FILE, METRICS_FILE, PREDICTIONS_FILE, prepare_output_dir, write_atomically
-from src.strategy import cast_inputs_for_deepspeed, prepare_needs_optimizer, strategy_of
-from src.tasks import build_task
-from src.tasks.base import Task, task_errors
-from src.tracking import build_trackers, log_metrics, progress_bar, setup_logging, setup_metrics, start_tracking
 
 logger = logging.getLogger("train")
 
 
 def main(args: list[str] | TrainConfig | None = None) -> dict:
     """Train and evaluate; returns the final eval metrics. `args`: CLI flags, a TrainConfig, or None (sys.argv)."""
-    config = resolve(args) if isinstance(args, TrainConfig) else parse_config(args)
+    config = parse_config(args)
     if not config.do_train:
         return evaluate_and_predict(config)
     if not config.auto_find_batch_size:
@@ -94,7 +79,7 @@ class Setup:
     """What training and evaluation share: the task and its metric, the prepared model and loaders."""
 
     accelerator: Accelerator
-    task: Task
+    task: tasks.Task
     model: nn.Module  # prepared, and compiled with --torch_compile: what trains and evaluates
     saved_model: nn.Module  # the prepared model without compilation: what checkpoints export and model/ saves
     metric: Metric | None  # None: the loss only
@@ -103,155 +88,160 @@ class Setup:
     test_loader: DataLoader | None  # the labelled test split, where the data has one
     predict_loader: DataLoader | None  # --do_predict: the task's prediction inputs of `predict_split`
     predict_split: str | None
-    optimizer: object  # the prepared optimizer: training (and eval-only under FSDP2 or ZeRO-1/2, never stepped)
-    torch_optimizer: torch.optim.Optimizer | None  # as built: what the LR scheduler drives and steps in plain runs
+    optimizer: AcceleratedOptimizer | None  # prepared: training (and eval-only under FSDP2 or ZeRO-1/2, never stepped)
 
 
 def set_up(config: TrainConfig, training: bool) -> Setup:
     """config -> accelerator -> task (data, model, metric) -> `accelerator.prepare`; nothing is written yet."""
-    accelerator = build_accelerator(config, log_with=build_trackers(config) if training else None)
-    setup_logging(accelerator)
+    accelerator = distributed.build_accelerator(config, log_with=tracking.build_trackers(config) if training else None)
+    tracking.setup_logging(accelerator)
     set_seed(config.seed)  # same seed on every process: identical initial weights, like a broadcast
-    task = build_task(config)
+    task = tasks.build_task(config)
     pin_memory = accelerator.device.type == "cuda"
-    train_loader, eval_loader = build_loaders(task, config, accelerator, training, pin_memory)
-    test_loader = build_test_loader(task, config, pin_memory)  # None when the data has no test split
-    predict_split = predicted_split(config)  # --do_predict: the test split, else the eval split
-    predict_loader = build_predict_loader(task, config, predict_split)  # the task's prediction inputs, or None
+    train_loader, eval_loader = data.build_loaders(task, config, accelerator, training, pin_memory)
+    test_loader = data.build_test_loader(task, config, pin_memory)  # None when the data has no test split
+    predict_split = data.predicted_split(config)  # --do_predict: the test split, else the eval split
+    predict_loader = data.build_predict_loader(task, config, predict_split)  # the task's prediction inputs, or None
     model = task.load_model(config.model_name_or_path) if config.model_name_or_path else task.build_model()
-    model = cast_inputs_for_deepspeed(sync_batchnorm(model, accelerator), accelerator)
+    model = strategy.cast_inputs_for_deepspeed(distributed.sync_batchnorm(model, accelerator), accelerator)
     if config.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
+        distributed.enable_gradient_checkpointing(model)
     metric = load_metrics(task.metrics if config.metrics is None else config.metrics)
     # eval-only under FSDP2 or ZeRO-1/2 still hands prepare an optimizer (never stepped): Accelerate needs one there
-    needs_optimizer = training or prepare_needs_optimizer(accelerator)
-    optimizer = build_optimizer(model, config, fused=pin_memory) if needs_optimizer else None
-    model, prepared_optimizer, train_loader, eval_loader, test_loader, predict_loader = accelerator.prepare(
+    needs_optimizer = training or strategy.prepare_needs_optimizer(accelerator)
+    optimizer = optim.build_optimizer(model, config, fused=pin_memory) if needs_optimizer else None
+    model, optimizer, train_loader, eval_loader, test_loader, predict_loader = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, test_loader, predict_loader
     )
     saved_model = model  # without compilation: its state dict's keys are the model's own
     if config.torch_compile:
-        model = compile_model(model, config.torch_compile_mode)
+        model = distributed.compile_model(model, config.torch_compile_mode)
     loaders = train_loader, eval_loader, test_loader, predict_loader
-    return Setup(accelerator, task, model, saved_model, metric, *loaders, predict_split, prepared_optimizer, optimizer)
+    return Setup(accelerator, task, model, saved_model, metric, *loaders, predict_split, optimizer)
 
 
 def train(config: TrainConfig) -> dict:
     """Train, evaluating and checkpointing as configured; returns the final eval (and test) metrics."""
-    check_hub_push(config)  # --push_to_hub offline or without a token: said before training, not after
-    check_mirror(config)  # --output_mirror unreachable, without credentials or holding another run: the same
+    features.installed().check(config)  # src/features/: each feature's bad input said before training, not after
     run = set_up(config, training=True)
     accelerator, task, model, metric, eval_loader = run.accelerator, run.task, run.model, run.metric, run.eval_loader
-    optimizer = DirectOptimizer(accelerator, model, run.optimizer, run.torch_optimizer)  # see src/fast_path.py
     accumulation = accelerator.gradient_accumulation_steps
-    batch = global_batch(config, accelerator)  # the same on any process count
+    batch = data.global_batch(config, accelerator)  # the same on any process count
 
     # --- how long: counted in optimiser steps, each seeing the same global batch on any process count ---
     steps_per_epoch = None if config.streaming else len(run.train_loader) // accumulation  # a stream has no length
     total_steps = config.max_steps if config.max_steps > 0 else math.ceil(config.num_train_epochs * steps_per_epoch)
-    lr_scheduler = build_scheduler(run.torch_optimizer, config, total_steps)  # stepped once per optimiser step
+    lr_scheduler = optim.build_scheduler(run.optimizer, config, total_steps)  # stepped once per optimiser step
     accelerator.register_for_checkpointing(lr_scheduler)
-    position = DataPosition()  # where training is in its data: a stream's is in every checkpoint
+    position = data.DataPosition()  # where training is in its data: a stream's is in every checkpoint
     if config.streaming:
         accelerator.register_for_checkpointing(position)
 
     # --- resume: weights, optimiser, scheduler and RNG from the checkpoint ---
-    state = TrainerState(global_batch=batch, world_size=accelerator.num_processes, strategy=strategy_of(model))
-    fetch_checkpoint(accelerator, config)  # --output_mirror: its newest checkpoint, where the local disk's is older
-    state, resumed = resume(accelerator, config, state)  # --resume_from_checkpoint: the checkpoint's state
+    state = checkpoint.TrainerState(
+        global_batch=batch, world_size=accelerator.num_processes, strategy=strategy.strategy_of(model)
+    )
+    features.installed().before_resume(accelerator, config)  # e.g. a newer checkpoint fetched from object storage
+    state, resumed = checkpoint.resume(accelerator, config, state)  # --resume_from_checkpoint: the checkpoint's state
     if steps_per_epoch:  # data of known length: the position follows from the step
-        position = DataPosition(*divmod(state.step, steps_per_epoch))
+        position = data.DataPosition(*divmod(state.step, steps_per_epoch))
 
     # --- the run directory and trackers: only now that all input has been validated ---
-    prepare_output_dir(accelerator, config, resume_step=state.step if resumed else None)
-    prepare_mirror(accelerator, config, resumed)  # a fresh start replaces the mirror's previous run too
-    state.tracker_run_id = start_tracking(accelerator, config, resume_run_id=state.tracker_run_id)
-    log_metrics(accelerator, setup_metrics(accelerator, model, config, batch), step=state.step)
+    run_dir.prepare_output_dir(accelerator, config, resume_step=state.step if resumed else None)
+    features.installed().on_start(accelerator, config, resumed)
+    state.tracker_run_id = tracking.start_tracking(accelerator, config, resume_run_id=state.tracker_run_id)
+    tracking.log_metrics(accelerator, tracking.setup_metrics(accelerator, model, config, batch), step=state.step)
 
     # --- train ---
     step, eval_metrics = state.step, {}  # eval_metrics: the latest evaluation's
-    meters = TrainMeters(accelerator, task, model, run.torch_optimizer, config, state)
+    meter = meters.TrainMeters(accelerator, task, model, run.optimizer, config, state)
     best = BestEvaluation(config, state)  # a new best model is checkpointed; early stopping
-    progress, profiler = progress_bar(accelerator, total_steps, initial=step), step_profiler(config, accelerator)
-    export = partial(export_model, accelerator, task, run.saved_model) if task.export_checkpoints else None
-    data = train_data(accelerator, run.train_loader, config, task.collate_fn())  # by index where it can
-    windows = train_windows(data, accumulation, position) if step < total_steps else []  # [] for a finished run
+    progress = tracking.progress_bar(accelerator, total_steps, initial=step)
+    profiler = meters.step_profiler(config, accelerator)  # --profile_steps
+    export = partial(final_model.export_model, accelerator, task, run.saved_model) if task.export_checkpoints else None
+    batches = index_batches.train_data(accelerator, run.train_loader, config, task.collate_fn())  # by index if it can
+    windows = data.train_windows(batches, accumulation, position) if step < total_steps else []  # [] for a finished run
     norm_every_step = bool(config.max_grad_norm or config.skip_nonfinite_batches)  # else at log steps only
     profiler.start()
     model.train()
     # SIGTERM/SIGUSR1 -> checkpoint (handlers restored however we leave); an error in the task's code -> one line
-    with PreemptionSignals(accelerator) as preemption, task_errors(task):
+    with PreemptionSignals(accelerator) as preemption, tasks.task_errors(task):
         for window in windows:
             log_now = (step + 1) % config.logging_steps == 0 or step + 1 == total_steps
             measure_norm = norm_every_step or log_now
-            grad_norm = train_step(accelerator, task, model, optimizer, window, meters, config, measure_norm)
+            grad_norm = train_step(accelerator, task, model, run.optimizer, window, meter, config, measure_norm)
             lr_scheduler.step()
             step += 1
             progress.update()
             profiler.step()
             if log_now:
                 epoch = step / steps_per_epoch if steps_per_epoch else position.epoch
-                log_metrics(accelerator, meters.log_step(step, lr_scheduler.get_last_lr()[0], grad_norm, epoch), step)
+                logged = meter.log_step(step, lr_scheduler.get_last_lr()[0], grad_norm, epoch)
+                tracking.log_metrics(accelerator, logged, step)
             new_best = False
             if config.do_eval and (step % config.eval_steps == 0 or step == total_steps):
-                with meters.timer.paused():
+                with meter.timer.paused():
                     eval_metrics = evaluate(task, model, eval_loader, metric, accelerator)
-                    log_metrics(accelerator, eval_metrics, step)
+                    tracking.log_metrics(accelerator, eval_metrics, step)
                 new_best, stop_early = best.update(eval_metrics, step)
                 total_steps = step if stop_early else total_steps  # then the final checkpoint and model follow
             preempted = preemption.requested(step)
             if preempted or new_best or step == total_steps or (config.save_steps and step % config.save_steps == 0):
                 state.step, state.preempted = step, preempted
-                meters.save_to(state)
-                with meters.timer.paused():
-                    saved = save_checkpoint(accelerator, config, state, export)
-                    upload_checkpoint(accelerator, config, saved, state)  # --output_mirror
+                meter.save_to(state)
+                with meter.timer.paused():
+                    saved = checkpoint.save_checkpoint(accelerator, config, state, export)
+                    features.installed().on_checkpoint(accelerator, config, saved, state)
                 if preempted:
-                    raise TrainingPreempted(f"checkpoint {saved} saved; run the same command to resume")
+                    raise errors.TrainingPreempted(f"checkpoint {saved} saved; run the same command to resume")
             if step >= total_steps:
                 break
         progress.close()
         profiler.stop()
 
         final_metrics = finish_training(run, config, state, best, eval_metrics, step)
-    end_training(accelerator)  # and a moment for gloo's threads: see src/distributed.py
+    distributed.end_training(accelerator)  # and a moment for gloo's threads: see src/distributed.py
     return final_metrics
 
 
-def train_step(accelerator, task, model, optimizer, window, meters: TrainMeters, config: TrainConfig, measure_norm):
+def train_step(accelerator, task, model, optimizer, window, meter: meters.TrainMeters, config, measure_norm: bool):
     """One optimiser step over a whole accumulation window: forward and backward per micro-batch (gradients sync on
     the last), then clip and step. Returns the gradient norm when `measure_norm` (with --max_grad_norm or
     --skip_nonfinite_batches, and at log steps), else None."""
-    scale = summed_loss_scale(accelerator, task, window) if task.loss_reduction == "sum" else None  # see its doc
+    scale = None  # a loss that is a sum: scaled by its terms' count over the global batch (see summed_loss_scale)
+    if task.loss_reduction == "sum":
+        scale = distributed.summed_loss_scale(accelerator, task, window)
     for batch in window:
-        with optimizer.accumulate(model):  # accelerator.accumulate: no gradient sync before the window's last batch
+        with accelerator.accumulate(model):  # no gradient sync before the window's last micro-batch
             loss = task.loss(model, batch) if scale is None else task.loss(model, batch) * scale
-            optimizer.backward(loss)
-        meters.losses.add(loss)
-    grad_norm = optimizer.clip_grad_norm(config.max_grad_norm) if measure_norm else None
+            accelerator.backward(loss)
+        meter.losses.add(loss)
+    grad_norm = None
+    if measure_norm:  # max_norm inf: the norm measured, nothing clipped
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm or math.inf)
     if config.skip_nonfinite_batches and not is_finite(grad_norm):  # the same on every process: all-reduced grads
         optimizer.zero_grad()
-        meters.skipped_steps += 1
+        meter.skipped_steps += 1
     optimizer.step()
+    optimizer.zero_grad()
     return grad_norm
 
 
-def finish_training(run: Setup, config: TrainConfig, state: TrainerState, best: BestEvaluation, metrics: dict, step):
+def finish_training(run: Setup, config, state: checkpoint.TrainerState, best: BestEvaluation, metrics: dict, step):
     """After the last step: the best model if asked, `model/`, then the test split and predictions (`finish`) and
     the Hub. `metrics`: the last evaluation's. A signal now changes nothing."""
     accelerator, task, model, output_dir = run.accelerator, run.task, run.model, Path(config.output_dir)
     if config.do_eval and not metrics:  # a finished run resumed: nothing trained, evaluate again
         metrics = evaluate(task, model, run.eval_loader, run.metric, accelerator)
-        log_metrics(accelerator, metrics, step)
+        tracking.log_metrics(accelerator, metrics, step)
     if config.load_best_model_at_end and state.best_model_step not in (None, step):
-        accelerator.load_state(str(checkpoint_dir(output_dir, state.best_model_step)))
+        accelerator.load_state(str(checkpoint.checkpoint_dir(output_dir, state.best_model_step)))
         metrics = evaluate(task, model, run.eval_loader, run.metric, accelerator)  # equal to the best's: a check
-        log_metrics(accelerator, best.summary(), step)
-    model_dir = save_final_model(accelerator, task, run.saved_model, output_dir)  # before what reads more data
-    logger.info("model saved to %s; metrics in %s", model_dir, output_dir / METRICS_FILE)
+        tracking.log_metrics(accelerator, best.summary(), step)
+    model_dir = final_model.save_final_model(accelerator, task, run.saved_model, output_dir)  # before more is read
+    logger.info("model saved to %s; metrics in %s", model_dir, output_dir / run_dir.METRICS_FILE)
     metrics = finish(run, config, metrics, step)
-    upload_run(accelerator, config)  # --output_mirror: model/, metrics.jsonl, eval_results.json
-    push_to_hub(accelerator, config, model_dir)
+    features.installed().on_end(accelerator, config, model_dir)  # e.g. uploads: object storage, the Hub
     return metrics
 
 
@@ -260,26 +250,26 @@ def predict(args: list[str] | TrainConfig) -> list[dict]:
     e.g. `predict(["--data_files", "{test: new.parquet}"])`. Nothing is trained or evaluated."""
     only = {"do_train": False, "do_eval": False, "do_predict": True}
     if isinstance(args, TrainConfig):
-        config = resolve(replace(args, **only))
+        config = parse_config(replace(args, **only))
     else:
         config = parse_config([*(f"--{name}={value}" for name, value in only.items()), *args])
     evaluate_and_predict(config)
-    return [json.loads(line) for line in (Path(config.output_dir) / PREDICTIONS_FILE).read_text().splitlines()]
+    return [json.loads(line) for line in (Path(config.output_dir) / run_dir.PREDICTIONS_FILE).read_text().splitlines()]
 
 
 def evaluate_and_predict(config: TrainConfig) -> dict:
     """`--do_train false`: evaluate and/or predict with a saved model (--model_name_or_path, by default the run's
     model/). Reads only the splits it uses; writes only eval_results.json and predictions.jsonl."""
-    config = model_to_evaluate(config)  # a trained run's folder: its own model, never another's results there
+    config = final_model.model_to_evaluate(config)  # a run's folder: its own model, never another's results there
     run = set_up(config, training=False)  # no trackers: the results go to eval_results.json
     logger.info("using the model in %s; nothing is trained", config.model_name_or_path)
-    with task_errors(run.task):
+    with tasks.task_errors(run.task):
         metrics = {}
         if config.do_eval:
             metrics = evaluate(run.task, run.model, run.eval_loader, run.metric, run.accelerator)
-            log_metrics(run.accelerator, metrics, step=0)
+            tracking.log_metrics(run.accelerator, metrics, step=0)
         metrics = finish(run, config, metrics, step=0)
-    let_gloo_settle(run.accelerator)  # before the model is freed: see src/distributed.py
+    distributed.let_gloo_settle(run.accelerator)  # before the model is freed: see src/distributed.py
     return metrics
 
 
@@ -289,16 +279,16 @@ def finish(run: Setup, config: TrainConfig, metrics: dict, step: int) -> dict:
     accelerator, task, output_dir = run.accelerator, run.task, Path(config.output_dir)
     if run.test_loader is not None:
         test_metrics = evaluate(task, run.model, run.test_loader, run.metric, accelerator, prefix="test")
-        log_metrics(accelerator, test_metrics, step)
+        tracking.log_metrics(accelerator, test_metrics, step)
         metrics = {**metrics, **test_metrics}
     if metrics:
-        write_atomically(accelerator, output_dir / EVAL_RESULTS_FILE, json.dumps(metrics, indent=2) + "\n")
+        results = json.dumps(metrics, indent=2) + "\n"
+        run_dir.write_atomically(accelerator, output_dir / run_dir.EVAL_RESULTS_FILE, results)
     if run.predict_loader is not None:
         rows = with_ids(predictions(task, run.model, run.predict_loader, accelerator), task, run.predict_split)
-        write_atomically(accelerator, output_dir / PREDICTIONS_FILE, "".join(json.dumps(r) + "\n" for r in rows))
-        logger.info(
-            "%d predictions of the %s split written to %s", len(rows), run.predict_split, output_dir / PREDICTIONS_FILE
-        )
+        path = output_dir / run_dir.PREDICTIONS_FILE
+        run_dir.write_atomically(accelerator, path, "".join(json.dumps(row) + "\n" for row in rows))
+        logger.info("%d predictions of the %s split written to %s", len(rows), run.predict_split, path)
     return metrics
 
 
@@ -353,6 +343,6 @@ def with_ids(rows: list[dict], task, split: str) -> list[dict]:
 
 if __name__ == "__main__":
     try:
-        command_line(main)()
+        errors.command_line(main)()
     finally:
         gc.freeze()  # exit without the collector traversing every object torch & co. imported (docs/benchmark.md)

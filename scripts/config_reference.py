@@ -1,4 +1,5 @@
-"""Write docs/config.md's reference from src/config.py and the built-in tasks' options (a test runs --check).
+"""Write docs/config.md's reference from src/config.py, the installed features' and the built-in tasks' options (a
+test runs --check).
 
 python scripts/config_reference.py          # rewrite the table in docs/config.md
 python scripts/config_reference.py --check  # exit 1 if docs/config.md is out of date
@@ -32,7 +33,7 @@ def rows(cls, sections: dict[str, str] | None = None) -> list[str]:
 
     comments, result, section = field_help(cls), [], None
     for field in dataclasses.fields(cls):
-        if field.name == "task_args":
+        if field.name in ("task_args", "feature_args"):
             continue
         if sections and sections.get(field.name) != section:
             section = sections.get(field.name)
@@ -47,10 +48,16 @@ def rows(cls, sections: dict[str, str] | None = None) -> list[str]:
 
 def table() -> str:
     from src.config import TrainConfig
+    from src.features import installed
     from src.tasks import BUILT_IN, task_class
 
     header = ["| field | type | default | meaning |", "| --- | --- | --- | --- |"]
     parts = ["Every run (`src/config.py: TrainConfig`):", "", *header, *rows(TrainConfig, field_sections())]
+    for feature in installed():
+        if feature.Options is not None:
+            source = type(feature).__module__.replace(".", "/") + "/"
+            parts += ["", f"The feature in `{source}` (`{feature.Options.__qualname__}`):", "", *header]
+            parts += rows(feature.Options)
     for name in BUILT_IN:
         cls = task_class(name)
         source = cls.__module__.replace(".", "/") + ".py"

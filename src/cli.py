@@ -19,15 +19,19 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 
 from src.config import TrainConfig, field_help
 from src.errors import UsageError, one_line
+from src.features import option_classes
 from src.tasks import BUILT_IN, parse_task_options, task_class, task_name
 
 
-def parse_config(argv: list[str] | None) -> TrainConfig:
+def parse_config(argv: "list[str] | TrainConfig | None") -> TrainConfig:
     """Defaults <- `--config file.yaml` <- `--field value` flags, type-checked; bad input raises UsageError.
+    `argv` None reads sys.argv; a TrainConfig (from Python) is resolved as it is.
 
     The task is found first (`--task`, else the last --config file that names one, else digits) because its
     options are part of the same command line.
     """
+    if isinstance(argv, TrainConfig):
+        return resolve(argv)
     argv = sys.argv[1:] if argv is None else argv
     name = find_task_name(argv)
     cls = task_class(name)
@@ -41,23 +45,32 @@ def parse_config(argv: list[str] | None) -> TrainConfig:
     values.pop("config", None)
     option_names = {f.name for f in dataclasses.fields(cls.Options)}
     task_args = {k: values.pop(k) for k in option_names}
-    return resolve(TrainConfig(**values, task_args=task_args))
+    feature_args = {f.name: values.pop(f.name) for options in option_classes() for f in dataclasses.fields(options)}
+    return resolve(TrainConfig(**values, task_args=task_args, feature_args=feature_args))
 
 
 def build_parser(name: str, task_cls):
-    clash = {f.name for f in dataclasses.fields(TrainConfig)} & {f.name for f in dataclasses.fields(task_cls.Options)}
-    if clash:
-        raise UsageError(
-            f"{task_cls.__name__}.Options fields {', '.join(sorted(clash))} clash with TrainConfig "
-            "fields of the same name; rename them in the task"
-        )
+    owner = {f.name: "TrainConfig" for f in dataclasses.fields(TrainConfig)}  # flag -> whose field it is
+    for options in [*option_classes(), task_cls.Options]:  # the features' options, then the task's
+        names = [f.name for f in dataclasses.fields(options)]
+        clash = sorted(name for name in names if name in owner)
+        if clash:
+            raise UsageError(
+                f"{options.__qualname__} fields {', '.join(clash)} clash with {owner[clash[0]]} fields of the same "
+                "name; rename them"
+            )
+        owner |= dict.fromkeys(names, options.__qualname__)
     parser = ArgumentParser(
         description="Train a model with Hugging Face Accelerate.", exit_on_error=False, allow_abbrev=False
     )
     parser.add_argument("--config", action=ActionConfigFile, help="YAML file with any of the fields below")
-    parser.add_class_arguments(TrainConfig, as_group=False, skip={"task_args"})
+    parser.add_class_arguments(TrainConfig, as_group=False, skip={"task_args", "feature_args"})
+    for options in option_classes():
+        parser.add_class_arguments(options, as_group=False)
     parser.add_class_arguments(task_cls.Options, as_group=True)
     helps = {**field_help(TrainConfig), **field_help(task_cls.Options)}
+    for options in option_classes():
+        helps |= field_help(options)
     for action in parser._actions:  # jsonargparse takes help from docstrings; ours are the fields' comments
         if action.dest in helps:
             action.help = helps[action.dest]
@@ -114,11 +127,31 @@ def resolve(config: TrainConfig) -> TrainConfig:
     """Fill in what follows from the task: its options' defaults, its default data files, output_dir runs/<task>."""
     cls = task_class(config.task)
     options = dataclasses.asdict(parse_task_options(cls, config.task_args))
+    feature_args = resolve_feature_args(config.feature_args)
     data_files = config.data_files
     if not config.dataset_name and not data_files:
         data_files = cls.default_data_files  # none: a task whose data is its own (src/data.py says so if it reads)
     output_dir = config.output_dir or f"runs/{task_name(config.task)}"
     model = config.model_name_or_path or (None if config.do_train else f"{output_dir}/model")  # the run's own model
     return dataclasses.replace(
-        config, task_args=options, data_files=data_files, output_dir=output_dir, model_name_or_path=model
+        config,
+        task_args=options,
+        feature_args=feature_args,
+        data_files=data_files,
+        output_dir=output_dir,
+        model_name_or_path=model,
     )
+
+
+def resolve_feature_args(given: dict) -> dict:
+    """Every installed feature's options, defaults filled in and checked by its Options dataclass; an unknown name
+    (a feature that is not installed) is refused."""
+    classes = option_classes()
+    unknown = set(given) - {f.name for options in classes for f in dataclasses.fields(options)}
+    if unknown:
+        raise UsageError(f"unknown feature options {', '.join(sorted(unknown))}: no installed feature has them")
+    resolved = {}
+    for options in classes:
+        names = {f.name for f in dataclasses.fields(options)}
+        resolved |= dataclasses.asdict(options(**{k: v for k, v in given.items() if k in names}))
+    return resolved

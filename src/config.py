@@ -24,8 +24,6 @@ CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotun
 class TrainConfig:
     # --- run ---
     output_dir: str | None = None  # config.yaml, metrics.jsonl, checkpoints/, model/ go here; None: runs/<task>
-    output_mirror: str | None = None  # s3://bucket/run or any fsspec URL: a copy of checkpoints/, model/, metrics.jsonl
-    output_mirror_async: bool = False  # upload each checkpoint on a thread while training goes on (docs/resume.md)
     overwrite_output_dir: bool = False  # allow a fresh run to replace a previous run's files in output_dir
     seed: int = 42  # the same on every process: identical initial weights and data order
     run_name: str | None = None  # wandb run name
@@ -34,8 +32,6 @@ class TrainConfig:
     run_group: str | None = None  # wandb group, e.g. one per sweep
     report_to: str | list[str] = "none"  # wandb, tensorboard, mlflow or any Accelerate tracker, a list, all, none
     debug: bool = False  # full tracebacks instead of one-line errors
-    push_to_hub: bool = False  # upload model/ to the Hugging Face Hub at the end (checked before training starts)
-    hub_model_id: str | None = None  # the Hub repository, user/name; None: the output_dir's folder name
     do_train: bool = True  # false: evaluate and/or predict with a saved model (--model_name_or_path), nothing else
     do_eval: bool = True  # evaluate on the eval split (every eval_steps and at the end) and on the test split
     do_predict: bool = False  # write output_dir/predictions.jsonl for the test split (the eval split if none)
@@ -44,6 +40,7 @@ class TrainConfig:
     task: str = "digits"  # digits, tabular, causal_lm, {text,image}_classification, language_modeling or my_pkg.my_task
     task_args: dict = field(default_factory=dict)  # in Python: the task's options (on the command line: --option value)
     model_name_or_path: str | None = None  # weights to start from or evaluate: a run's model/, a checkpoint, Hub model
+    feature_args: dict = field(default_factory=dict)  # in Python: the features' options (src/features/), by name
 
     # --- data (src/data.py) ---
     dataset_name: str | None = None  # a Hub dataset; None, imagefolder, parquet, ...: the local data_files below
@@ -142,12 +139,7 @@ class TrainConfig:
         if self.streaming and self.do_train and self.max_steps < 0:
             problems.append("--streaming needs --max_steps: a stream has no length to count epochs by")
         if self.output_dir and "://" in self.output_dir:
-            problems.append(
-                f"--output_dir {self.output_dir} is a URL; keep --output_dir a local folder and copy the run there "
-                f"with --output_mirror {self.output_dir}"
-            )
-        if self.output_mirror_async and not self.output_mirror:
-            problems.append("--output_mirror_async uploads to --output_mirror: set it too (s3://bucket/run)")
+            problems.append(f"--output_dir {self.output_dir} is a URL; keep --output_dir a local folder")
         if self.auto_find_batch_size and self.global_batch_size is None:
             problems.append("--auto_find_batch_size needs --global_batch_size, so the optimiser's batch stays the same")
         problems += self.check_phases()
@@ -175,9 +167,10 @@ class TrainConfig:
         return []
 
     def to_dict(self) -> dict:
-        """Flat, as on the command line and in config.yaml: the task's options beside the run's fields."""
+        """Flat, as on the command line and in config.yaml: the task's and features' options beside the run's fields."""
         values = dataclasses.asdict(self)
-        return {**{k: v for k, v in values.items() if k != "task_args"}, **values["task_args"]}
+        run = {k: v for k, v in values.items() if k not in ("task_args", "feature_args")}
+        return {**run, **values["feature_args"], **values["task_args"]}
 
 
 def normalize_report_to(value: str | list[str]) -> list[str]:

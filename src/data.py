@@ -360,7 +360,7 @@ def train_windows(source, accumulation: int, position: DataPosition) -> Iterator
     `position` on (a resumed epoch skips the batches already trained on). An epoch's trailing partial window is
     skipped, so every step sees one global batch. Runs until the caller stops; `position` moves with it.
 
-    `source.epoch(epoch, skip)`: an epoch's batches (`LoaderBatches`, or src/fast_path.py's `IndexBatches`); the
+    `source.epoch(epoch, skip)`: an epoch's batches (`LoaderBatches`, or src/index_batches.py's `IndexBatches`); the
     seedable sampler (or a stream's shuffle) makes them a function of the seed and the epoch.
     """
     while True:

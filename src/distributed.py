@@ -16,9 +16,9 @@ import os
 import torch
 from torch import nn
 
+from src.accelerator import Accelerator, keep_freed_host_memory
 from src.config import TrainConfig, resolve_global_batch
 from src.errors import UsageError, let_threads_settle
-from src.fast_path import keep_freed_host_memory
 from src.strategy import accelerator_options, check_launch, check_strategy, enable_fsdp_on_cpu, partial_state_options
 from src.sync_batchnorm import convert_cpu_sync_batchnorm
 
@@ -30,7 +30,7 @@ def has_accelerator() -> bool:
 
 
 def build_accelerator(config: TrainConfig, log_with: list | None = None):
-    from accelerate import Accelerator, DataLoaderConfiguration, PartialState
+    from accelerate import DataLoaderConfiguration, PartialState
     from accelerate.utils import GradientAccumulationPlugin
 
     use_cpu = not has_accelerator()

@@ -1,10 +1,9 @@
-"""The Hugging Face Hub: whether a dataset or model can be reached (a fast, clear answer offline), and --push_to_hub."""
+"""The Hugging Face Hub: whether a dataset or model can be reached (a fast, clear answer offline)."""
 
 import logging
 import os
 from pathlib import Path
 
-from src.config import TrainConfig
 from src.errors import UsageError
 
 logger = logging.getLogger(__name__)
@@ -40,28 +39,3 @@ def is_cached(name: str, kind: str = "dataset") -> bool:
     from huggingface_hub.constants import HF_HUB_CACHE
 
     return (Path(HF_HUB_CACHE) / f"{kind}s--{name.replace('/', '--')}").exists()
-
-
-def check_hub_push(config: TrainConfig) -> None:
-    """--push_to_hub: offline or without a token, say so before training rather than after it."""
-    if not config.push_to_hub:
-        return
-    from huggingface_hub import get_token
-
-    if hub_offline():
-        raise UsageError("--push_to_hub needs the Hugging Face Hub but HF_HUB_OFFLINE is set; unset one of them")
-    if get_token() is None:
-        raise UsageError("--push_to_hub needs a Hugging Face token: `hf auth login`, or set HF_TOKEN")
-
-
-def push_to_hub(accelerator, config: TrainConfig, model_dir: Path) -> None:
-    """Main process: create the repository if needed and upload model/ (weights, config, tokenizer)."""
-    if not (config.push_to_hub and accelerator.is_main_process):
-        return
-    from huggingface_hub import HfApi
-
-    repo_id = config.hub_model_id or Path(config.output_dir).resolve().name
-    api = HfApi()
-    api.create_repo(repo_id, exist_ok=True)
-    api.upload_folder(repo_id=repo_id, folder_path=str(model_dir), commit_message="Upload model trained with train.py")
-    logger.info("model pushed to https://huggingface.co/%s", repo_id)

@@ -28,7 +28,7 @@ def train_losses(output_dir):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """Through the DataLoader (`--dataloader_index_batches false`): the runs compared with it batch by index (the
-    default, src/fast_path.py), so each comparison also proves the index path trains as the DataLoader does."""
+    default, src/index_batches.py), so each comparison also proves the index path trains as the DataLoader does."""
     runs = {}
     for processes in (1, 2):
         output_dir = tmp_path_factory.mktemp(f"full{processes}") / "run"

@@ -178,7 +178,7 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 200)
 def test_cpu_steps_do_not_page_fault_their_activations_back_in():
     """glibc's malloc returns freed activations above its mmap threshold to the OS and faults them in again at the
     next step (its threshold starts at 128 KB and moves with the process's history: 43-960 faults per step of this
-    loop measured); after build_accelerator on the CPU the heap keeps them (src/fast_path.py), unless the user's
+    loop measured); after build_accelerator on the CPU the heap keeps them (src/accelerator.py), unless the user's
     GLIBC_TUNABLES sets malloc options."""
     glibc_start = {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}  # glibc's initial threshold, held fixed
     faults = {}

@@ -325,33 +325,6 @@ def test_bad_model_source_is_one_line(flags, message):
                                  *flags])).build_datasets()  # fmt: skip
 
 
-def test_push_to_hub_needs_the_hub_and_a_token(monkeypatch):
-    from src.config import TrainConfig
-    from src.errors import UsageError
-    from src.hub import check_hub_push
-
-    check_hub_push(TrainConfig())  # not asked: nothing checked
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(UsageError, match="HF_HUB_OFFLINE is set"):
-        check_hub_push(TrainConfig(push_to_hub=True))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
-    monkeypatch.setenv("HF_TOKEN", "")
-    monkeypatch.setattr("huggingface_hub.get_token", lambda: None)
-    with pytest.raises(UsageError, match="needs a Hugging Face token"):
-        check_hub_push(TrainConfig(push_to_hub=True))
-
-
-@pytest.mark.slow
-def test_push_to_hub_offline_is_refused_before_training(tmp_path):
-    out = tmp_path / "run"
-    result = run_train(*QUICK, "--output_dir", str(out), "--push_to_hub", "true", "--hub_model_id", "me/digits")
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1] == (
-        "error: --push_to_hub needs the Hugging Face Hub but HF_HUB_OFFLINE is set; unset one of them"
-    )
-    assert not out.exists()
-
-
 WITHOUT_TRANSFORMERS = """
 import importlib.abc, sys
 class NotInstalled(importlib.abc.MetaPathFinder):  # as if transformers were not installed

@@ -1,5 +1,5 @@
-"""--output_mirror (src/object_storage.py): checkpoints, model/ and metrics.jsonl in object storage, against a real
-local S3 server (moto's, started here; the runs reach it through s3fs with AWS_ENDPOINT_URL). A run killed, its
+"""--output_mirror (src/features/object_storage/): checkpoints, model/ and metrics.jsonl in object storage, against a
+real local S3 server (moto's, started here; the runs reach it through s3fs with AWS_ENDPOINT_URL). A run killed, its
 disk wiped, resumes from the bucket with the uninterrupted run's losses; an upload cut off half-way is never
 `latest`; --save_total_limit rotates the bucket; bad input is one line before anything is written."""
 
@@ -264,7 +264,7 @@ BAD = {
 @pytest.mark.slow
 def test_an_output_dir_url_is_refused_with_the_mirror_option_named(tmp_path):
     result = run_train(*QUICK, "--output_dir", "s3://bucket/run")
-    assert_error_line(result, r"--output_dir s3://bucket/run is a URL; .*--output_mirror s3://bucket/run")
+    assert_error_line(result, r"--output_dir s3://bucket/run is a URL; keep --output_dir a local folder")
     assert not (REPO / "s3:").exists()
 
 
@@ -274,7 +274,7 @@ from pathlib import Path
 import fsspec.implementations.local
 from src.checkpoint import TrainerState, checkpoint_dir
 from src.config import TrainConfig
-from src.object_storage import upload_checkpoint
+from src.features.object_storage.mirror import upload_checkpoint
 from tests.test_object_storage import MainProcess
 
 out = Path(sys.argv[1])
@@ -286,7 +286,8 @@ def put_once_the_main_thread_ended(self, *args, **kwargs):
         time.sleep(0.01)
     return put(self, *args, **kwargs)
 fsspec.implementations.local.LocalFileSystem.put = put_once_the_main_thread_ended
-config = TrainConfig(output_dir=str(out), output_mirror=f"file://{sys.argv[2]}", output_mirror_async=True)
+mirrored = {"output_mirror": f"file://{sys.argv[2]}", "output_mirror_async": True}
+config = TrainConfig(output_dir=str(out), feature_args=mirrored)
 upload_checkpoint(MainProcess(), config, checkpoint_dir(out, 2), TrainerState(step=2))
 raise ValueError("the task failed")
 """
@@ -299,13 +300,14 @@ def test_a_run_stopped_by_an_error_finishes_the_upload_in_flight(tmp_path):
 
 
 def test_uploads_on_a_thread_need_a_mirror_and_a_file_mirror_an_absolute_path(tmp_path):
+    from src.cli import parse_config
     from src.errors import UsageError
-    from src.object_storage import check_mirror
+    from src.features.object_storage.mirror import check_mirror
 
     with pytest.raises(UsageError, match=r"--output_mirror_async uploads to --output_mirror: set it too"):
-        TrainConfig(output_mirror_async=True)
+        parse_config(["--output_mirror_async", "true"])
     with pytest.raises(UsageError, match=r"file://tmp/run has no absolute path; use file:///absolute/path"):
-        check_mirror(TrainConfig(output_dir=str(tmp_path / "run"), output_mirror="file://tmp/run"))
+        check_mirror(TrainConfig(output_dir=str(tmp_path / "run"), feature_args={"output_mirror": "file://tmp/run"}))
 
 
 @pytest.mark.slow
@@ -355,7 +357,7 @@ def test_docs_command_resumes_on_a_fresh_machine(s3, tmp_path):
 
 
 class MainProcess:
-    """The accelerator's part that src/object_storage.py uses, for one process."""
+    """The accelerator's part that src/features/object_storage/mirror.py uses, for one process."""
 
     is_main_process, num_processes = True, 1
 
@@ -368,10 +370,11 @@ def test_file_mirror_sends_the_trainer_state_last_and_fetches_the_newest_complet
     with the best model's checkpoint that it names."""
     import fsspec.implementations.local
 
-    from src.object_storage import fetch_checkpoint, upload_checkpoint
+    from src.features.object_storage.mirror import fetch_checkpoint, upload_checkpoint
 
     out, mirror = tmp_path / "run", tmp_path / "mirror"
-    config = TrainConfig(output_dir=str(out), output_mirror=f"file://{mirror}", resume_from_checkpoint="latest")
+    mirrored = {"output_mirror": f"file://{mirror}"}
+    config = TrainConfig(output_dir=str(out), feature_args=mirrored, resume_from_checkpoint="latest")
     for step in (2, 4, 6):
         checkpoint = checkpoint_dir(out, step)
         (checkpoint / "model").mkdir(parents=True)
@@ -429,7 +432,8 @@ def async_run(tmp_path, steps=(2, 4, 6)) -> tuple[Path, Path, TrainConfig]:
         (checkpoint_dir(out, step) / "model.safetensors").write_text(f"weights {step}")
         (checkpoint_dir(out, step) / "trainer_state.json").write_text(json.dumps({"step": step}))
     (out / "metrics.jsonl").write_text('{"step": 2}\n')
-    return out, mirror, TrainConfig(output_dir=str(out), output_mirror=f"file://{mirror}", output_mirror_async=True)
+    mirrored = {"output_mirror": f"file://{mirror}", "output_mirror_async": True}
+    return out, mirror, TrainConfig(output_dir=str(out), feature_args=mirrored)
 
 
 def test_an_upload_on_a_thread_sends_its_snapshot_and_the_next_waits_for_it(tmp_path, monkeypatch):
@@ -438,7 +442,7 @@ def test_an_upload_on_a_thread_sends_its_snapshot_and_the_next_waits_for_it(tmp_
     checkpoint's upload starts only once this one is done; the mirror then holds both, byte for byte."""
     import threading
 
-    from src.object_storage import PENDING, upload_checkpoint, upload_run
+    from src.features.object_storage.mirror import PENDING, upload_checkpoint, upload_run
 
     out, mirror, config = async_run(tmp_path)
     puts = HeldPuts(monkeypatch)
@@ -476,7 +480,7 @@ def test_a_failed_upload_on_a_thread_stops_the_next_and_a_preemption_still_uploa
     failed; on another process the line points at the main one's. A preemption's checkpoint is uploaded at once,
     even after a failed upload: then the mirror lacks nothing."""
     from src.errors import CheckpointWriteFailed
-    from src.object_storage import PENDING, upload_checkpoint
+    from src.features.object_storage.mirror import PENDING, upload_checkpoint
 
     out, mirror, config = async_run(tmp_path, steps=(2, 4, 6, 8))
     puts = HeldPuts(monkeypatch)

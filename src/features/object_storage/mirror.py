@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from src.checkpoint import TrainerState, all_processes_agree, checkpoint_dir, checkpoint_step, complete_checkpoints
 from src.config import TrainConfig
 from src.errors import CheckpointWriteFailed, UsageError, one_line
+from src.features import options_of
 from src.run_dir import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
@@ -52,6 +53,20 @@ CHECK_OPTIONS = {"s3": {"config_kwargs": {"connect_timeout": 5, "read_timeout": 
 LIBRARIES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, EVAL_RESULTS_FILE, PREDICTIONS_FILE)  # the run root's files, not folders
 PROBE = ".write_check"  # written and removed by the start's check
+
+
+@dataclass
+class MirrorOptions:
+    output_mirror: str | None = None  # s3://bucket/run or any fsspec URL: a copy of checkpoints/, model/, metrics.jsonl
+    output_mirror_async: bool = False  # upload each checkpoint on a thread while training goes on (docs/resume.md)
+
+    def __post_init__(self):
+        if self.output_mirror_async and not self.output_mirror:
+            raise UsageError("--output_mirror_async uploads to --output_mirror: set it too (s3://bucket/run)")
+
+
+def mirror_url(config: TrainConfig) -> str | None:
+    return options_of(MirrorOptions, config).output_mirror
 
 
 @dataclass
@@ -105,11 +120,11 @@ class Mirror:
 
 def mirror_of(config: TrainConfig, check: bool = False) -> Mirror | None:
     """The run's mirror, None without --output_mirror. `check`: a fresh client with the start's short timeouts."""
-    if not config.output_mirror:
+    if not mirror_url(config):
         return None
     import fsspec
 
-    url = config.output_mirror
+    url = mirror_url(config)
     protocol = url.split("://", 1)[0]
     options = {**OPTIONS.get(protocol, {}), **(CHECK_OPTIONS.get(protocol, {}) if check else {})}
     fs, root = fsspec.core.url_to_fs(url, **options, **({"skip_instance_cache": True} if check else {}))
@@ -122,9 +137,9 @@ def check_mirror(config: TrainConfig) -> None:
     it. Every process checks (each would stop anyway); a failure is one line, exit 2, and nothing written. First, an
     upload on a thread that an earlier run in this process left (a notebook, a sweep) is waited for."""
     finish_earlier_upload()
-    if not config.output_mirror:
+    if not mirror_url(config):
         return
-    url = config.output_mirror
+    url = mirror_url(config)
     if "://" not in url:
         raise UsageError(f"--output_mirror {url} is not a URL; use one like s3://bucket/run (or file:///path)")
     protocol = url.split("://", 1)[0]
@@ -248,7 +263,7 @@ def upload_checkpoint(accelerator, config: TrainConfig, checkpoint: Path, state:
         wait_for_upload()
         PENDING.append(Upload.start(mirror, checkpoint, output_dir, keep, keep_step))
 
-    background = config.output_mirror_async and not state.preempted
+    background = options_of(MirrorOptions, config).output_mirror_async and not state.preempted
     on_main(accelerator, f"checkpoint {checkpoint.name}", config, upload_on_a_thread if background else upload_now)
 
 
@@ -345,7 +360,7 @@ def on_main(accelerator, what: str, config: TrainConfig, call) -> None:
         if failure is None:  # another process: the main one says which upload and why
             raise CheckpointWriteFailed(f"{reason}; the local run directory is intact")
         raise CheckpointWriteFailed(
-            f"could not upload {what} to {config.output_mirror} ({reason}); the local run directory is intact: "
+            f"could not upload {what} to {mirror_url(config)} ({reason}); the local run directory is intact: "
             "resume with --resume_from_checkpoint latest"
         )
     accelerator.wait_for_everyone()

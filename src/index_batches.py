@@ -1,26 +1,17 @@
-"""The fast path: what the template does instead of the textbook loop's per-step overhead, behind one boundary.
+"""Index batches: training data held in tensors is batched by one gather per batch, with the indices the prepared
+loader's own batch sampler would yield (`EpochOrder`): the same batches, order, shards and padding as the DataLoader,
+without its per-sample calls and stacking (about what a tiny model's whole step costs on a CPU: docs/benchmark.md).
 
-Everything here gives the same numbers as the plain way (tests/test_index_batches.py and the 1-vs-N tests check
-it), and this is the only module that reads Accelerate's private structure to do so:
-- Index batches (`train_data`): training data held in tensors is batched by one gather per batch, with the indices
-  the prepared loader's own batch sampler would yield (`EpochOrder`): the same batches, order, shards and padding.
-- The direct optimizer calls (`DirectOptimizer`): plain torch calls where Accelerate's per-step wrappers would do
-  nothing but cost time; Accelerate's own calls where they do real work (DeepSpeed, FSDP, fp16 scaling, XLA).
-- The allocator setting (`keep_freed_host_memory`): glibc keeps freed activations instead of returning them to the
-  OS at every step.
-What each costs and gains, measured: docs/benchmark.md.
+tests/test_index_batches.py and the 1-vs-N tests check that it gives the DataLoader's numbers. This module reads the
+structure of Accelerate's prepared loaders (their batch sampler and its seedable sampler) to do so.
 """
 
-import contextlib
-import math
-import os
 from collections.abc import Iterator
 from itertools import chain
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
-from torch import nn
 from torch.utils.data import DataLoader, Dataset, SequentialSampler, Subset, TensorDataset
 
 from src.config import TrainConfig
@@ -170,73 +161,3 @@ def train_data(accelerator, loader: DataLoader, config: TrainConfig, collate_fn)
     if dataset is None:
         return LoaderBatches(accelerator, loader)
     return IndexBatches(loader, dataset, accelerator.device)
-
-
-def keep_freed_host_memory() -> None:
-    """On the CPU, stop glibc's malloc from giving each step's freed activations back to the OS, only to page-fault
-    them in again at the next step: page faults whose count differs from process to process and moves the speed of
-    the same loop (docs/benchmark.md). Fixed thresholds stop it: blocks under 32 MB come from the heap (glibc's
-    default starts at 128 KB and moves), and up to 1 GB free at its top is kept.
-    Peak memory is unchanged; memory freed after the peak may stay with the process. glibc only, and not when
-    GLIBC_TUNABLES sets malloc options (yours win)."""
-    import ctypes
-
-    libc = os.confstr("CS_GNU_LIBC_VERSION") if "CS_GNU_LIBC_VERSION" in getattr(os, "confstr_names", {}) else ""
-    if not libc.startswith("glibc") or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
-        return
-    mallopt = ctypes.CDLL(None).mallopt  # the C library this process runs on
-    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
-    mallopt(m_mmap_threshold, 32 << 20)  # glibc's maximum
-    mallopt(m_trim_threshold, 1 << 30)
-
-
-class DirectOptimizer:
-    """The optimizer as the loop uses it: accumulate, backward, clip, step, zero_grad. Plain torch calls on the
-    optimizer as built where Accelerate's per-step wrappers would do nothing but cost time (about as much as a tiny
-    model's whole step: docs/benchmark.md); under DeepSpeed, FSDP, XLA or an fp16 grad scaler the wrappers do real
-    work, and the prepared optimizer's calls are the ones made.
-    """
-
-    PLAIN = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU")
-
-    def __init__(self, accelerator, model: nn.Module, prepared_optimizer, torch_optimizer: torch.optim.Optimizer):
-        self.accelerator = accelerator
-        self.model = model
-        self.plain = (
-            accelerator.distributed_type.value in self.PLAIN
-            and accelerator.scaler is None
-            and not accelerator.has_lomo_optimizer
-        )
-        self.optimizer = torch_optimizer if self.plain else prepared_optimizer  # what step() calls
-        self.accumulation = accelerator.gradient_accumulation_steps  # fixed for the run; read once, not per step
-
-    def accumulate(self, model: nn.Module):
-        """`accelerator.accumulate(model)`; without accumulation every batch is a step and the context would do
-        nothing but cost time (docs/benchmark.md), so it is skipped then."""
-        if self.accumulation > 1:
-            return self.accelerator.accumulate(model)
-        return contextlib.nullcontext()
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """Inside `accumulate`: the loss is scaled for accumulation, as Accelerate does."""
-        if not self.plain:
-            return self.accelerator.backward(loss)
-        (loss / self.accumulation if self.accumulation > 1 else loss).backward()
-
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor | None:
-        """The total gradient norm (all-reduced gradients: the same on every process), clipped to `max_norm` if it
-        is > 0 (0: measured only, not scaling every gradient by 1)."""
-        if not self.plain:
-            norm = self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm or math.inf)
-            return None if norm is None else torch.as_tensor(norm)  # DeepSpeed returns a float or None
-        if not max_norm:
-            return torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
-        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-
-    def step(self) -> None:
-        """Call once per optimiser step (when `accelerator.sync_gradients`), not per micro-batch."""
-        self.optimizer.step()
-        self.zero_grad()
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,97 @@
+"""Accelerate's `Accelerator`, with the per-step calls the loop makes costing no more than plain torch calls.
+
+train.py speaks Accelerate's own words: `accelerator.accumulate(model)`, `accelerator.backward(loss)`,
+`accelerator.clip_grad_norm_(...)`, the prepared optimizer's `step()` and `zero_grad()`. In a plain run (one process
+or DDP, no fp16 grad scaler) each of those upstream calls does checks that do nothing but cost time, about as much as
+a tiny model's whole step (docs/benchmark.md): a generator-based context per micro-batch, a division by 1, a scan for
+DTensor parameters, `inspect.signature` on every `zero_grad`. This subclass skips only those, behind the same names;
+under DeepSpeed, FSDP, XLA or a grad scaler every call is Accelerate's own. tests/test_accelerator.py checks that
+each call gives what upstream gives.
+"""
+
+import contextlib
+import math
+import os
+from collections.abc import Iterable
+
+import accelerate
+import torch
+from accelerate.optimizer import AcceleratedOptimizer
+
+# Where Accelerate's per-step wrappers have no work to do (no sharding engine, no XLA graph to mark)
+PLAIN_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU")
+
+
+class Accelerator(accelerate.Accelerator):
+    """`accelerate.Accelerator`; in a plain run its per-step calls skip the checks that have nothing to do."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.plain_strategy = self.distributed_type.value in PLAIN_TYPES and self.scaler is None  # fixed for the run
+
+    @property
+    def plain(self) -> bool:
+        """One process or DDP without a grad scaler: backward, clipping and the optimizer need no wrapper."""
+        return self.plain_strategy and not self.has_lomo_optimizer
+
+    def accumulate(self, *models):
+        """Upstream's context, except without accumulation: every micro-batch then ends a step, gradients always
+        sync (`sync_gradients` stays True), and the context would only cost time."""
+        if self.gradient_state.num_steps == 1:
+            return contextlib.nullcontext()
+        return super().accumulate(*models)
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """Upstream's: the loss divided by the accumulation steps (not by 1), then `loss.backward()`."""
+        if kwargs or not self.plain:
+            return super().backward(loss, **kwargs)
+        steps = self.gradient_state.num_steps
+        (loss / steps if steps > 1 else loss).backward()
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2):
+        """The total gradient norm (of all-reduced gradients: the same on every process) as a tensor, or None where
+        DeepSpeed has none; gradients clipped to `max_norm`. `max_norm=math.inf` measures without clipping: no
+        multiplication of every gradient by 1."""
+        if not self.plain:
+            norm = super().clip_grad_norm_(parameters, max_norm, norm_type)
+            return None if norm is None else torch.as_tensor(norm)  # DeepSpeed gives a float
+        if max_norm == math.inf:
+            grads = [p.grad for p in parameters if p.grad is not None]
+            return torch.nn.utils.get_total_norm(grads, norm_type)
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement=None):
+        prepared = super().prepare_optimizer(optimizer, device_placement=device_placement)
+        if self.plain and type(prepared) is AcceleratedOptimizer:
+            prepared.__class__ = PlainOptimizer  # the same object (registered for checkpoints), lighter per step
+        return prepared
+
+
+class PlainOptimizer(AcceleratedOptimizer):
+    """`AcceleratedOptimizer` in a plain run: no grad scaler, XLA or LOMO optimizer to consult at each step."""
+
+    def step(self, closure=None):
+        if self.gradient_state.sync_gradients:
+            self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True):
+        if self.gradient_state.sync_gradients:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def keep_freed_host_memory() -> None:
+    """On the CPU, stop glibc's malloc from giving each step's freed activations back to the OS, only to page-fault
+    them in again at the next step: page faults whose count differs from process to process and moves the speed of
+    the same loop (docs/benchmark.md). Fixed thresholds stop it: blocks under 32 MB come from the heap (glibc's
+    default starts at 128 KB and moves), and up to 1 GB free at its top is kept.
+    Peak memory is unchanged; memory freed after the peak may stay with the process. glibc only, and not when
+    GLIBC_TUNABLES sets malloc options (yours win)."""
+    import ctypes
+
+    libc = os.confstr("CS_GNU_LIBC_VERSION") if "CS_GNU_LIBC_VERSION" in getattr(os, "confstr_names", {}) else ""
+    if not libc.startswith("glibc") or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+        return
+    mallopt = ctypes.CDLL(None).mallopt  # the C library this process runs on
+    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+    mallopt(m_mmap_threshold, 32 << 20)  # glibc's maximum
+    mallopt(m_trim_threshold, 1 << 30)

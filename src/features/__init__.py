@@ -1,0 +1,90 @@
+"""Features: the optional parts of the template, one package each in src/features/, found by looking.
+
+A feature reaches a run through the hooks of `Feature` (each does nothing unless the feature overrides it) and
+brings its own options: an `Options` dataclass whose fields join the command line, the YAML config and the run's
+config.yaml, as a task's options do. The core never imports a feature by name, so deleting a feature's package (and
+the rest of what features.yaml lists for it: tests, docs page, requirements) removes it, flags and all.
+
+    class MirrorFeature(Feature):
+        @dataclass
+        class Options:
+            output_mirror: str | None = None  # this comment is the --help text
+
+        def on_checkpoint(self, accelerator, config, checkpoint, state): ...
+
+    FEATURE = MirrorFeature()  # in src/features/<name>/__init__.py
+"""
+
+import dataclasses
+import importlib
+import pkgutil
+from functools import cache
+from pathlib import Path
+
+
+class Feature:
+    """A feature's hooks into a run, in the order train.py calls them; `config` is the run's TrainConfig."""
+
+    Options: type | None = None  # a dataclass of the feature's flags; None: it has none
+
+    def options(self, config):
+        """This feature's options, typed, from the run's config."""
+        return options_of(self.Options, config)
+
+    def check(self, config) -> None:
+        """Before anything is read or written, on every process: bad input raises UsageError (one line, exit 2)."""
+
+    def before_resume(self, accelerator, config) -> None:
+        """Before the run looks for a checkpoint to resume from (e.g. fetch a newer one from elsewhere)."""
+
+    def on_start(self, accelerator, config, resumed: bool) -> None:
+        """The output directory is ready (a fresh start cleared it); training is about to start."""
+
+    def on_checkpoint(self, accelerator, config, checkpoint: Path, state) -> None:
+        """On every process, after `checkpoint` was saved; `state` is its TrainerState."""
+
+    def on_end(self, accelerator, config, model_dir: Path) -> None:
+        """After model/, the test split and the predictions are written, on every process."""
+
+
+class Features(tuple):
+    """Every installed feature, called as one: `features.on_checkpoint(...)` calls each feature's hook in turn."""
+
+    def check(self, config) -> None:
+        for feature in self:
+            feature.check(config)
+
+    def before_resume(self, accelerator, config) -> None:
+        for feature in self:
+            feature.before_resume(accelerator, config)
+
+    def on_start(self, accelerator, config, resumed: bool) -> None:
+        for feature in self:
+            feature.on_start(accelerator, config, resumed)
+
+    def on_checkpoint(self, accelerator, config, checkpoint: Path, state) -> None:
+        for feature in self:
+            feature.on_checkpoint(accelerator, config, checkpoint, state)
+
+    def on_end(self, accelerator, config, model_dir: Path) -> None:
+        for feature in self:
+            feature.on_end(accelerator, config, model_dir)
+
+
+def options_of(options_class: type, config):
+    """A feature's `Options` dataclass filled from the run's config (`config.feature_args`: every feature's options
+    by name, flat as on the command line)."""
+    names = {field.name for field in dataclasses.fields(options_class)}
+    return options_class(**{name: value for name, value in config.feature_args.items() if name in names})
+
+
+@cache
+def installed() -> Features:
+    """The features whose packages are here, by name: each package's `FEATURE`."""
+    names = sorted(module.name for module in pkgutil.iter_modules(__path__) if module.ispkg)
+    return Features(importlib.import_module(f"{__name__}.{name}").FEATURE for name in names)
+
+
+def option_classes() -> list[type]:
+    """The installed features' Options dataclasses: what the command line adds to TrainConfig's fields."""
+    return [feature.Options for feature in installed() if feature.Options is not None]

@@ -1,0 +1,52 @@
+"""src/accelerator.py: the loop's Accelerate calls, lightened in a plain run, give what upstream's give."""
+
+import math
+
+import accelerate
+import pytest
+import torch
+from torch import nn
+
+from src.accelerator import Accelerator, PlainOptimizer
+
+
+def one_window(accelerator_class, accumulation: int, max_norm: float):
+    """A window of `accumulation` micro-batches through accumulate/backward/clip_grad_norm_/step/zero_grad, as
+    train.py's train_step makes it: (the norm, the weights after the step, the gradients before zero_grad)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    accelerator = accelerator_class(cpu=True, gradient_accumulation_steps=accumulation)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    inputs = torch.randn(accumulation, 3, 4, generator=torch.Generator().manual_seed(1))
+    for batch in inputs:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(batch).pow(2).mean() * 10)
+    norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
+    grads = [p.grad.clone() for p in model.parameters()]
+    optimizer.step()
+    optimizer.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    weights = [p.detach().clone() for p in model.parameters()]
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    return float(norm), weights, grads, type(optimizer)
+
+
+@pytest.mark.parametrize("accumulation", [1, 3])
+@pytest.mark.parametrize("max_norm", [0.5, math.inf])
+def test_the_plain_calls_equal_upstream(accumulation, max_norm):
+    """Same norm, same clipped gradients, same step as accelerate.Accelerator's calls, with and without accumulation;
+    `max_norm=inf` measures the norm and leaves the gradients as they are."""
+    ours = one_window(Accelerator, accumulation, max_norm)
+    upstream = one_window(accelerate.Accelerator, accumulation, max_norm)
+    assert ours[3] is PlainOptimizer and upstream[3] is not PlainOptimizer  # the light path really ran
+    assert ours[0] == pytest.approx(upstream[0], rel=1e-6)
+    for mine, theirs in zip(ours[1] + ours[2], upstream[1] + upstream[2], strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7)
+    if max_norm == math.inf:  # measured only: the norm is above the clipping threshold tested above
+        assert ours[0] > 0.5
