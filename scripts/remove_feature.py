@@ -1,0 +1,116 @@
+"""Remove an optional feature (features.yaml lists each one's files), or prove in a copy that removing it is safe.
+
+python scripts/remove_feature.py NAME            # delete NAME's files from this checkout
+python scripts/remove_feature.py --check NAME    # in a copy without them: the remaining tests collect, ruff
+                                                 # passes, and a short 1-process and 2-process run train
+python scripts/remove_feature.py --list          # the features and what each is for
+"""
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SHORT_RUN = ["--max_steps", "4", "--logging_steps", "2", "--eval_steps", "4", "--max_eval_samples", "64"]
+
+
+def manifest() -> dict:
+    return yaml.safe_load((REPO / "features.yaml").read_text())
+
+
+def feature_paths(name: str, root: Path) -> list[Path]:
+    features = manifest()
+    if name not in features:
+        sys.exit(f"error: no feature {name!r} in features.yaml; one of: {', '.join(features)}")
+    return [root / path for path in features[name]["paths"] if (root / path).exists()]
+
+
+def remove(name: str, root: Path) -> list[Path]:
+    removed = feature_paths(name, root)
+    for path in removed:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return removed
+
+
+def copy_of_repo(destination: Path) -> Path:
+    """The tracked and not-ignored files of this checkout, as a clone would have them (and uncommitted edits)."""
+    files = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    ).stdout.split("\0")  # fmt: skip
+    for name in filter(None, files):
+        source = REPO / name
+        if source.is_file():
+            target = destination / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+    return destination
+
+
+def feature_flags(name: str) -> list[str]:
+    """The command-line flags a feature with code in src/features/ adds (its Options' fields)."""
+    if not (REPO / "src" / "features" / name).is_dir():
+        return []
+    import dataclasses
+    import importlib
+
+    sys.path.insert(0, str(REPO))
+    options = importlib.import_module(f"src.features.{name}").FEATURE.Options
+    return [f"--{field.name}" for field in dataclasses.fields(options)] if options else []
+
+
+def check(name: str) -> int:
+    """Remove `name` in a copy, then run what must still work there; 0 when all of it does."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
+    flags = feature_flags(name)
+    with tempfile.TemporaryDirectory(prefix=f"without_{name}_") as folder:
+        root = copy_of_repo(Path(folder))
+        removed = remove(name, root)
+        print(f"without {name}: removed {', '.join(str(p.relative_to(root)) for p in removed)}", flush=True)
+        launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/ddp.yaml"]
+        steps = {
+            "the remaining tests collect": [sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0"],
+            "ruff": [sys.executable, "-m", "ruff", "check", "."],
+            "python train.py --help": [sys.executable, "train.py", "--help"],
+            "python train.py": [sys.executable, "train.py", *SHORT_RUN, "--output_dir", "runs/one"],
+        }
+        if any(path.is_relative_to(root / "src") for path in removed):  # the loop's code changed: N processes too
+            two = [*launch, "--num_processes", "2", "train.py", *SHORT_RUN, "--output_dir", "runs/two"]
+            steps["a 2-process launch"] = two
+        for what, command in steps.items():
+            result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+            left = [flag for flag in flags if what.endswith("--help") and re.search(rf"{flag}(?!\w)", result.stdout)]
+            if result.returncode != 0 or left:
+                print(f"without {name}: {what} failed (exit {result.returncode}; flags left: {left})\n"
+                      f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}", file=sys.stderr)  # fmt: skip
+                return 1
+            print(f"without {name}: {what}: ok", flush=True)
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("name", nargs="?", help="a feature of features.yaml")
+    parser.add_argument("--check", action="store_true", help="prove in a copy that removing it is safe")
+    parser.add_argument("--list", action="store_true", help="list the features")
+    args = parser.parse_args()
+    if args.list or not args.name:
+        for name, feature in manifest().items():
+            print(f"{name:16} {feature['help']}")
+        return 0
+    if args.check:
+        return check(args.name)
+    for path in remove(args.name, REPO):
+        print(f"removed {path.relative_to(REPO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
