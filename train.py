@@ -129,12 +129,12 @@ def train(config: TrainConfig) -> dict:
     batch = data.global_batch(config, accelerator)  # the same on any process count
 
     # --- how long: counted in optimiser steps, each seeing the same global batch on any process count ---
-    steps_per_epoch = None if config.streaming else len(run.train_loader) // accumulation  # a stream has no length
+    steps_per_epoch = data.steps_per_epoch(run.train_loader, accumulation)  # None: a stream has no length
     total_steps = config.max_steps if config.max_steps > 0 else math.ceil(config.num_train_epochs * steps_per_epoch)
     lr_scheduler = optim.build_scheduler(run.optimizer, config, total_steps)  # stepped once per optimiser step
     accelerator.register_for_checkpointing(lr_scheduler)
     position = data.DataPosition()  # where training is in its data: a stream's is in every checkpoint
-    if config.streaming:
+    if steps_per_epoch is None:
         accelerator.register_for_checkpointing(position)
 
     # --- resume: weights, optimiser, scheduler and RNG from the checkpoint ---

@@ -49,8 +49,6 @@ class TrainConfig:
     train_split: str = "train"  # split names in the data
     eval_split: str = "eval"
     test_split: str = "test"  # evaluated at the end (test/ metrics) and predicted, when the data has it
-    streaming: bool = False  # read the train split as a stream (glob data_files; memory bounded); needs --max_steps
-    shuffle_buffer_size: int = 10000  # --streaming: samples held to shuffle the stream (with the seed and epoch)
     dataloader_num_workers: int = 0  # worker processes per data loader
     dataloader_drop_last: bool = True  # full batches only: the same samples per step on 1 or N processes
     dataloader_index_batches: bool = True  # train data in tensors: each batch one gather by the sampler's indices
@@ -108,7 +106,6 @@ class TrainConfig:
                 "num_train_epochs",
                 "logging_steps",
                 "eval_steps",
-                "shuffle_buffer_size",
             )
             if getattr(self, name) <= 0
         ]
@@ -136,8 +133,6 @@ class TrainConfig:
                 problems.append(f"--{name} must be > 0 or null (got {getattr(self, name)})")
         if self.max_steps == 0 or self.max_steps < -1:
             problems.append(f"--max_steps must be > 0, or -1 to train for num_train_epochs (got {self.max_steps})")
-        if self.streaming and self.do_train and self.max_steps < 0:
-            problems.append("--streaming needs --max_steps: a stream has no length to count epochs by")
         if self.output_dir and "://" in self.output_dir:
             problems.append(f"--output_dir {self.output_dir} is a URL; keep --output_dir a local folder")
         if self.auto_find_batch_size and self.global_batch_size is None:

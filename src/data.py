@@ -14,8 +14,9 @@ from itertools import islice
 from pathlib import Path
 from typing import NamedTuple, Protocol, runtime_checkable
 
-from torch.utils.data import DataLoader, Dataset, Subset, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, default_collate
 
+from src import features
 from src.config import TrainConfig
 from src.errors import TaskFailed, UsageError, describe
 from src.hub import check_hub_repo
@@ -247,21 +248,27 @@ def global_batch(config: TrainConfig, accelerator) -> int:
 
 
 def build_loaders(task, config: TrainConfig, accelerator, training: bool, pin_memory: bool = False):
-    """(train loader, eval loader) before `prepare`: the train loader when training (over the task's stream with
-    --streaming), the eval loader when training or evaluating. Data in memory is checked first: at least one global
-    batch, fewer processes than eval samples, and a first batch that collates."""
-    if training and not config.streaming:
+    """(train loader, eval loader) before `prepare`: the train loader when training (a feature's own, e.g. a stream
+    with --streaming, else over the task's datasets in memory), the eval loader when training or evaluating. Data in
+    memory is checked first: at least one global batch, fewer processes than eval samples, a first batch that
+    collates."""
+    train_loader = features.installed().train_loader(task, config, pin_memory) if training else None
+    if training and train_loader is None:
         train_set, eval_set = task.build_datasets()
         collate_fn = task.collate_fn()  # after the datasets: e.g. a padding collator needs the tokenizer they loaded
         train_loader, eval_loader = build_dataloaders(train_set, eval_set, config, collate_fn, pin_memory)
         check_split_sizes(train_loader, eval_loader, global_batch(config, accelerator), accelerator.num_processes)
         check_first_batch(train_loader, task)
         return train_loader, eval_loader
-    train_loader = build_stream_loader(task, config, pin_memory) if training else None
     if not (training or config.do_eval):
         return train_loader, None
     eval_set = task.build_eval_dataset(config.eval_split)
     return train_loader, build_eval_loader(eval_set, config, task.collate_fn(), config.max_eval_samples, pin_memory)
+
+
+def steps_per_epoch(loader: DataLoader, accumulation: int) -> int | None:
+    """Optimiser steps in an epoch of the train loader (whole accumulation windows), or None for a stream."""
+    return None if isinstance(loader.dataset, IterableDataset) else len(loader) // accumulation
 
 
 def build_eval_loader(dataset: Dataset, config: TrainConfig, collate_fn=None, max_samples=None, pin_memory=False):
@@ -378,7 +385,7 @@ def train_windows(source, accumulation: int, position: DataPosition) -> Iterator
 @runtime_checkable
 class EpochDependent(Protocol):
     """A dataset whose samples depend on the epoch, e.g. augmentation drawn from a generator seeded by the seed, the
-    epoch and the sample's index (src/tasks/image_classification.py). `LoaderBatches` sets the epoch before each
+    epoch and the sample's index (the image_classification task). `LoaderBatches` sets the epoch before each
     epoch's iterator exists, so the loader's worker processes, which copy the dataset as the iterator starts, see it;
     a resumed run sets the epoch it resumes in. (Accelerate's prepared loader calls a dataset's set_epoch itself only
     where the sampler has none; a shuffled train loader's seedable sampler has one, so it never reaches the dataset.)"""
@@ -398,17 +405,3 @@ class LoaderBatches:
         if isinstance(dataset, EpochDependent):
             dataset.set_epoch(epoch)
         return self.accelerator.skip_first_batches(self.loader, skip) if skip else self.loader
-
-
-def build_stream_loader(task, config: TrainConfig, pin_memory: bool = False) -> DataLoader:
-    """The train loader over the task's stream; full batches only (a stream has no length to pad to)."""
-    if config.max_train_samples:
-        raise UsageError("--max_train_samples does not apply with --streaming; --max_steps sets how much is read")
-    return DataLoader(
-        task.build_train_stream(),
-        batch_size=config.per_device_train_batch_size,
-        drop_last=True,
-        num_workers=config.dataloader_num_workers,
-        collate_fn=task.collate_fn(),
-        pin_memory=pin_memory,
-    )

@@ -58,7 +58,7 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
             gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=accumulation, sync_with_dataloader=False),
             # non_blocking: a batch's copy to the GPU (from pinned memory, see data.py) does not wait for it, so
             # the next batch is fetched and copied while the GPU still computes the current one
-            # dispatch_batches=False: a streamed train set (src/streaming.py) is read by every process, which keeps
+            # dispatch_batches=False: a streamed train set (--streaming) is read by every process, which keeps
             # its slice of each batch, on any device (the default would dispatch from the main process on GPUs only)
             dataloader_config=DataLoaderConfiguration(
                 use_seedable_sampler=True, non_blocking=not use_cpu, dispatch_batches=False

@@ -1,6 +1,6 @@
-"""LoRA adapters (`--peft lora`, src/adapters.py) on the tiny GPT-2 and BERT: the same training on 1 and 2 processes
-and under FSDP2 and ZeRO-2/3, only the adapter trained and saved (gathered from every shard), model/ reloaded by
-PEFT's and transformers' own loaders to the logged eval metrics, eval-only, predict and the best model on adapter
+"""LoRA adapters (`--peft lora`, src/features/hf/adapters.py) on the tiny GPT-2 and BERT: the same training on 1 and 2
+processes and under FSDP2 and ZeRO-2/3, only the adapter trained and saved (gathered from every shard), model/ reloaded
+by PEFT's and transformers' own loaders to the logged eval metrics, eval-only, predict and the best model on adapter
 runs, a merged model, and one line for each bad option."""
 
 import json

@@ -177,7 +177,7 @@ def test_language_modeling_normalises_by_the_global_token_count(modeled):
 
 
 PER_MICRO_BATCH_MEAN = """
-from src.tasks.language_modeling import LanguageModeling
+from src.features.hf.language_modeling import LanguageModeling
 def mean_loss(self, model, batch):
     losses, counted = self.token_losses(model, batch)
     return losses.sum() / counted.sum()
@@ -429,7 +429,7 @@ def test_gradient_checkpointing_and_bf16_with_a_transformers_model(assets, tmp_p
 
 def test_language_model_labels_ignore_padding_not_the_end_of_text_token():
     """GPT-2 pads with its end-of-text token: the labels must keep its real occurrences and drop only the padding."""
-    from src.tasks.language_modeling import IGNORE, pad_and_label
+    from src.features.hf.language_modeling import IGNORE, pad_and_label
 
     def pad(samples):  # what DataCollatorWithPadding returns, with pad id 0 = end of text
         return {"input_ids": torch.tensor([[5, 0, 7, 0], [8, 9, 0, 0]]),
@@ -481,7 +481,7 @@ def test_config_overrides_keep_derived_fields_consistent(overrides, head_dim, me
     from transformers import LlamaConfig
 
     from src.errors import UsageError
-    from src.tasks.hf import apply_overrides
+    from src.features.hf.base import apply_overrides
 
     config = LlamaConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128, num_hidden_layers=1)
     assert config.head_dim == 16

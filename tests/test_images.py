@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Subset
 
 from scripts.readme_commands import section_commands
 from src.data import EpochDependent, LoaderBatches
-from src.tasks.image_classification import Augmentation, ImageSamples, Preprocess, sample_generator
+from src.features.images.image_classification import Augmentation, ImageSamples, Preprocess, sample_generator
 from tests.conftest import (
     assert_ok,
     assert_processes,

@@ -11,9 +11,9 @@ from torch.utils.data import DataLoader, Subset, default_collate
 from src.cli import resolve
 from src.config import TrainConfig
 from src.data import LoaderBatches
+from src.features.gpt.causal_lm import TokenBlocks
 from src.index_batches import EpochOrder, IndexBatches, gatherable, known_sequence
 from src.tasks import build_task
-from src.tasks.causal_lm import TokenBlocks
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,8 @@ import torch
 from src.cli import resolve
 from src.config import TrainConfig
 from src.errors import UsageError
-from src.tasks import build_task, causal_lm
+from src.features.gpt import causal_lm
+from src.tasks import build_task
 from tests.conftest import REPO, assert_ok, assert_processes, read_metrics, run_python, run_train, run_with_hook, series
 
 LM = ["--config", "configs/lm.yaml"]
@@ -93,7 +94,7 @@ def test_perplexity_is_exp_of_eval_loss(one_and_two_processes):
 
 COUNT_CHECKPOINTED_BLOCKS = """
 import atexit
-import src.models.gpt as gpt
+import src.features.gpt.model as gpt
 checkpointed = [0]
 checkpoint = gpt.checkpoint
 def counting(*args, **kwargs):

@@ -10,9 +10,8 @@ import pytest
 
 from scripts.readme_commands import section_commands
 from src.cli import parse_config
-from src.config import TrainConfig
-from src.data import build_stream_loader
 from src.errors import UsageError
+from src.features.streaming import FEATURE
 from src.tasks import build_task
 from tests.conftest import (
     REPO,
@@ -65,7 +64,7 @@ def test_an_epoch_uses_each_document_once_in_a_seeded_order(numbered_docs, worke
     data = f"{{train: {out}/train-*.parquet}}"
     config = parse_config([*TINY, "--streaming", "true", "--max_steps", "1", "--data_files", data,
                            "--per_device_train_batch_size", "8", "--dataloader_num_workers", str(workers)])  # fmt: skip
-    loader = build_stream_loader(build_task(config), config)
+    loader = FEATURE.train_loader(build_task(config), config, pin_memory=False)
     epochs = []
     for epoch in (0, 1):
         loader.dataset.set_epoch(epoch)
@@ -83,7 +82,7 @@ def test_an_epoch_uses_each_document_once_in_a_seeded_order(numbered_docs, worke
 def test_streaming_needs_max_steps_and_a_task_that_streams(numbered_docs):
     shards, _ = numbered_docs
     with pytest.raises(UsageError, match="--streaming needs --max_steps"):
-        TrainConfig(streaming=True)
+        FEATURE.check(parse_config(["--streaming", "true"]))
     config = parse_config(["--streaming", "true", "--max_steps", "5"])  # digits: no build_train_stream
     with pytest.raises(UsageError, match="cannot stream its data"):
         build_task(config).build_train_stream()

@@ -13,10 +13,10 @@ from src.cli import parse_config, resolve
 from src.config import TrainConfig, save_config
 from src.data import build_dataloaders, check_first_batch
 from src.errors import EXIT_TASK_FAILED, LaunchError, TaskFailed, UsageError, describe
+from src.features.gpt.causal_lm import CausalLM
 from src.run_dir import trained_any_step
 from src.tasks import BUILT_IN, build_task, task_class, task_name
 from src.tasks.base import Task, task_errors
-from src.tasks.causal_lm import CausalLM
 from src.tasks.digits import Digits
 from tests.conftest import QUICK, REPO, assert_ok, launch_command, read_metrics, run_command, run_train, run_with_hook
 
@@ -53,8 +53,8 @@ class Second(Task):
 
 
 def test_task_names_resolve_to_classes(task_module):
-    assert task_class("digits") is Digits and task_class("src.tasks.causal_lm") is CausalLM
-    assert task_class("src.tasks.causal_lm.CausalLM") is CausalLM
+    assert task_class("digits") is Digits and task_class("src.features.gpt.causal_lm") is CausalLM
+    assert task_class("src.features.gpt.causal_lm.CausalLM") is CausalLM
     module = task_module("two_tasks", TWO_TASKS)
     assert task_class(f"{module}.Second").__name__ == "Second"
     with pytest.raises(UsageError, match="exactly one Task subclass .*two_tasks.First, two_tasks.Second"):

@@ -26,6 +26,7 @@ class Feature:
     """A feature's hooks into a run, in the order train.py calls them; `config` is the run's TrainConfig."""
 
     Options: type | None = None  # a dataclass of the feature's flags; None: it has none
+    tasks: dict[str, str] = {}  # --task names it adds -> "module.Class" (imported only when chosen)
 
     def options(self, config):
         """This feature's options, typed, from the run's config."""
@@ -36,6 +37,10 @@ class Feature:
 
     def before_resume(self, accelerator, config) -> None:
         """Before the run looks for a checkpoint to resume from (e.g. fetch a newer one from elsewhere)."""
+
+    def train_loader(self, task, config, pin_memory: bool):
+        """A train DataLoader of the feature's own (e.g. a stream) in place of the in-memory one, or None."""
+        return None
 
     def on_start(self, accelerator, config, resumed: bool) -> None:
         """The output directory is ready (a fresh start cleared it); training is about to start."""
@@ -57,6 +62,10 @@ class Features(tuple):
     def before_resume(self, accelerator, config) -> None:
         for feature in self:
             feature.before_resume(accelerator, config)
+
+    def train_loader(self, task, config, pin_memory: bool):
+        """The first train loader a feature gives, or None: the in-memory data's."""
+        return next((loader for f in self if (loader := f.train_loader(task, config, pin_memory)) is not None), None)
 
     def on_start(self, accelerator, config, resumed: bool) -> None:
         for feature in self:
@@ -83,6 +92,11 @@ def installed() -> Features:
     """The features whose packages are here, by name: each package's `FEATURE`."""
     names = sorted(module.name for module in pkgutil.iter_modules(__path__) if module.ispkg)
     return Features(importlib.import_module(f"{__name__}.{name}").FEATURE for name in names)
+
+
+def feature_tasks() -> dict[str, str]:
+    """The --task names the installed features add, each to its "module.Class"."""
+    return {name: path for feature in installed() for name, path in feature.tasks.items()}
 
 
 def option_classes() -> list[type]:

@@ -1,8 +1,7 @@
 """Tasks: what is trained, selected by `--task`. The contract is the `Task` class in src/tasks/base.py.
 
---task digits | tabular | causal_lm           the built-in tasks (this folder)
---task text_classification | language_modeling    Hugging Face transformers models (requirements-hf.txt)
---task image_classification                   image folders; a plain CNN or a transformers model
+--task digits | tabular                       the core's tasks (this folder)
+--task causal_lm, text_classification, ...    the tasks that features add (src/features/*: `Feature.tasks`)
 --task my_package.my_task                     a module defining one Task subclass
 --task my_package.my_task.MyTask              or the class itself
 """
@@ -15,16 +14,10 @@ import inspect
 from jsonargparse import ArgumentParser
 
 from src.errors import UsageError, one_line
+from src.features import feature_tasks
 from src.tasks.base import Task, task_errors  # noqa: F401  (task_errors: part of the contract train.py uses)
 
-BUILT_IN = {
-    "digits": "src.tasks.digits.Digits",
-    "tabular": "src.tasks.tabular.Tabular",
-    "causal_lm": "src.tasks.causal_lm.CausalLM",
-    "text_classification": "src.tasks.text_classification.TextClassification",  # needs transformers
-    "language_modeling": "src.tasks.language_modeling.LanguageModeling",  # needs transformers
-    "image_classification": "src.tasks.image_classification.ImageClassification",  # transformers for its models
-}
+BUILT_IN = {"digits": "src.tasks.digits.Digits", "tabular": "src.tasks.tabular.Tabular", **feature_tasks()}
 
 
 def task_class(name: str) -> type[Task]:

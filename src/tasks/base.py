@@ -18,7 +18,7 @@
 
 A task is built once per run, so it can keep state (a tokenizer, the number of features) on `self`.
 `ClassificationTask` (src/tasks/classification.py) fills in the loss and eval outputs for `(inputs, labels)`
-batches and logits; `Digits` and `Tabular` use it. `HuggingFaceTask` (src/tasks/hf.py) loads and saves a
+batches and logits; `Digits` and `Tabular` use it. `HuggingFaceTask` (src/features/hf/base.py) loads and saves a
 transformers model and its tokenizer for `TextClassification` and `LanguageModeling`.
 """
 
@@ -106,10 +106,10 @@ class Task:
     def build_train_stream(self) -> IterableDataset:
         """`--streaming`: the train split as an IterableDataset of samples like build_datasets()' train items, with
         `set_epoch(epoch)`; e.g. `SampleStream(load_stream(self.config, split).map(...).shuffle(seed, buffer))`
-        (src/streaming.py). Its memory must not grow with the data: nothing is read before iteration."""
+        (src/features/streaming/stream.py). Its memory must not grow with the data: nothing is read before iteration."""
         raise UsageError(
             f"--task {type(self).__name__} cannot stream its data: it has no build_train_stream(); "
-            "use --streaming false, or implement it (src/tasks/causal_lm.py has an example)"
+            "use --streaming false, or implement it (src/features/gpt/causal_lm.py has an example)"
         )
 
     def load_model(self, path: str) -> nn.Module:

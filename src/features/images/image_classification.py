@@ -30,7 +30,6 @@ from src.errors import UsageError
 from src.final_model import LABELS_FILE, label_maps, save_labels, saved_labels, saved_model_dir
 from src.models.digits_cnn import DigitsCNN
 from src.tasks.classification import ClassificationTask
-from src.tasks.hf import check_dropout, check_model_source, load_config, require_transformers, save_pretrained
 
 
 @dataclass(frozen=True)
@@ -134,7 +133,8 @@ class ImageClassification(ClassificationTask):
                 raise UsageError(f"--random_crop_padding must be >= 0 (got {self.random_crop_padding})")
             if self.image_size is not None and self.image_size <= 0:
                 raise UsageError(f"--image_size must be > 0 (got {self.image_size})")
-            check_dropout(self.dropout)
+            if self.dropout is not None and not 0 <= self.dropout < 1:
+                raise UsageError(f"--dropout must lie in [0, 1) (got {self.dropout})")
 
     default_data_files = {"train": "data/digit_images/train", "eval": "data/digit_images/eval"}
     export_checkpoints = True  # every checkpoint's model/ holds the label names too
@@ -144,12 +144,12 @@ class ImageClassification(ClassificationTask):
     def __init__(self, config, options=None):
         super().__init__(config, options)
         if is_transformers_model(config.model_name_or_path):
-            require_transformers()
+            hf().require_transformers()
             from transformers import AutoImageProcessor
 
             if self.options.image_size is not None:
                 raise UsageError("--image_size is the plain CNN's; a transformers model's image processor sizes images")
-            self.model_path = check_model_source(config.model_name_or_path)
+            self.model_path = hf().check_model_source(config.model_name_or_path)
             self.processor = AutoImageProcessor.from_pretrained(self.model_path)
 
     # --- data ---
@@ -219,7 +219,7 @@ class ImageClassification(ClassificationTask):
 
     def saved_labels(self) -> list[str]:
         if self.processor is not None:
-            id2label = load_config(self.model_path, None, None).id2label
+            id2label = hf().load_config(self.model_path, None, None).id2label
             return [id2label[i] for i in range(len(id2label))]
         labels = saved_labels(saved_model_dir(self.config.model_name_or_path))
         if labels is None:
@@ -252,7 +252,7 @@ class ImageClassification(ClassificationTask):
         from transformers import AutoModelForImageClassification
 
         options = self.options
-        config = load_config(
+        config = hf().load_config(
             self.model_path, options.config_overrides, options.dropout, num_labels=len(self.labels),
             **label_maps(self.labels),
         )  # fmt: skip
@@ -278,7 +278,7 @@ class ImageClassification(ClassificationTask):
         """A transformers model: save_pretrained with its image processor (what `pipeline` loads); the plain CNN:
         model.safetensors and labels.json."""
         if self.processor is not None:
-            return save_pretrained(accelerator, model, self.processor, directory)
+            return hf().save_pretrained(accelerator, model, self.processor, directory)
         super().save_model(accelerator, model, directory)
         if accelerator.is_main_process:
             save_labels(directory, self.labels)
@@ -308,3 +308,16 @@ def row_labels(split, column: str) -> list[str]:
 def relative(path: str, root: Path | None) -> str:
     resolved = Path(path).resolve()
     return str(resolved.relative_to(root)) if root is not None and resolved.is_relative_to(root) else path
+
+
+def hf():
+    """The hf feature's loading and saving of transformers models, for a transformers image model (the plain CNN
+    needs none of it); without that feature, one line saying so."""
+    try:
+        from src.features.hf import base
+    except ModuleNotFoundError as err:
+        raise UsageError(
+            "a transformers image model needs the hf feature (src/features/hf/), not in this project; "
+            "leave out --model_name_or_path to train the plain CNN"
+        ) from err
+    return base

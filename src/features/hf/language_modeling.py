@@ -20,10 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from src.adapters import AdapterOptions
 from src.errors import UsageError
-from src.streaming import SampleStream, load_stream
-from src.tasks.hf import HuggingFaceTask, check_dropout, main_process_first
+from src.features.hf.adapters import AdapterOptions
+from src.features.hf.base import HuggingFaceTask, check_dropout, main_process_first
 
 IGNORE = -100  # labels the loss skips: padding
 
@@ -132,14 +131,19 @@ class LanguageModeling(HuggingFaceTask):
         usable = len(ids) // block_size * block_size  # the remainder of each map batch is dropped, as in run_clm
         return {"input_ids": [ids[i : i + block_size] for i in range(0, usable, block_size)]}
 
-    def build_train_stream(self) -> SampleStream:
+    def build_train_stream(self):
         """--streaming: the train split tokenised (and packed) on the fly, in the data-loader workers if any, 64
         texts at a time; then shuffled in a buffer of samples (and the shard order) by seed and epoch."""
         self.load_tokenizer()
+        from src.features.streaming import FEATURE as streaming
+        from src.features.streaming.stream import SampleStream, load_stream
+
         stream = load_stream(self.config, self.config.train_split)
         self.set_block_size()
         samples = stream.map(self.encode, batched=True, batch_size=64, remove_columns=stream.column_names)
-        buffer = self.config.shuffle_buffer_size  # one shard at a time: see CausalLM.build_train_stream
+        buffer = streaming.options(
+            self.config
+        ).shuffle_buffer_size  # one shard at a time: see CausalLM.build_train_stream
         return SampleStream(samples.shuffle(seed=self.config.seed, buffer_size=buffer, max_buffer_input_shards=1), dict)
 
     def collate_fn(self):

@@ -7,7 +7,9 @@ offline), tokenising once on the main process first, and saving the result with 
 from contextlib import contextmanager
 from pathlib import Path
 
-from src.adapters import (
+from src.data import check_columns, load_splits
+from src.errors import UsageError
+from src.features.hf.adapters import (
     adapter_base,
     add_adapter,
     is_adapter_folder,
@@ -15,8 +17,6 @@ from src.adapters import (
     save_adapter,
     save_merged,
 )
-from src.data import check_columns, load_splits
-from src.errors import UsageError
 from src.final_model import label_maps, saved_labels, saved_model_dir
 from src.hub import check_hub_repo
 from src.tasks.base import Task
@@ -25,7 +25,7 @@ from src.tasks.base import Task
 class HuggingFaceTask(Task):
     """A transformers model and its tokenizer: what text_classification and language_modeling share. The model is
     `--model_name_or_path` (a run's field: a folder, a checkpoint or a Hub name); the Options have `tokenizer_name`,
-    `config_overrides` and `dropout`, and those of src/adapters.py (`--peft lora`)."""
+    `config_overrides` and `dropout`, and those of src/features/hf/adapters.py (`--peft lora`)."""
 
     export_checkpoints = True  # every checkpoint's model/ loads with from_pretrained (or PEFT's loaders) too
     peft_task_type: str  # PEFT's TaskType for an adapter on this task's model, e.g. "CAUSAL_LM"

@@ -6,7 +6,7 @@
 
 Byte-level: the tokens are a text's UTF-8 bytes (vocabulary 256), so there is no tokenizer to download or train.
 Each split's documents are joined with a separator byte and cut into fixed blocks of `block_size + 1` tokens
-(input = block[:-1], target = block[1:]); the remainder is dropped. The model is src/models/gpt.py.
+(input = block[:-1], target = block[1:]); the remainder is dropped. The model is src/features/gpt/model.py.
 With `--streaming true` the train split is read from shard files and packed on the fly (docs/streaming.md).
 """
 
@@ -22,8 +22,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from src.data import check_columns, load_splits
 from src.errors import UsageError
-from src.models.gpt import GPT, GPTConfig, count_parameters, flops_per_token
-from src.streaming import SampleStream, load_stream
+from src.features.gpt.model import GPT, GPTConfig, count_parameters, flops_per_token
 from src.tasks.base import Task
 
 VOCAB_SIZE = 256  # bytes
@@ -173,12 +172,15 @@ class CausalLM(Task):
             )
         return TokenBlocks(torch.from_numpy(blocks))
 
-    def build_train_stream(self) -> SampleStream:
+    def build_train_stream(self):
         """--streaming: the train files read lazily, packed on the fly (PACK_DOCUMENTS documents at a time, in the
         data-loader workers if any), then shuffled in a buffer of blocks (and the shard order) by seed and epoch."""
         o = self.options
         if o.max_train_tokens is not None:
             raise UsageError("--max_train_tokens does not apply with --streaming; --max_steps sets how much is read")
+        from src.features.streaming import FEATURE as streaming
+        from src.features.streaming.stream import SampleStream, load_stream
+
         stream = load_stream(self.config, self.config.train_split)
         check_columns(stream, [o.text_column], "--text_column to the text column")  # from the files' schema
         blocks = stream.map(
@@ -190,7 +192,7 @@ class CausalLM(Task):
         )
         # one shard at a time into the buffer: datasets' default (10) reads shards in threads, ~10x slower here, and
         # sleeps 5 s at the end of every epoch (apache/arrow#45214)
-        buffer = self.config.shuffle_buffer_size
+        buffer = streaming.options(self.config).shuffle_buffer_size
         blocks = blocks.shuffle(seed=self.config.seed, buffer_size=buffer, max_buffer_input_shards=1)
         return SampleStream(blocks, block_to_sample)
 

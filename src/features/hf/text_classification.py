@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from src.adapters import AdapterOptions
 from src.errors import UsageError
+from src.features.hf.adapters import AdapterOptions
+from src.features.hf.base import HuggingFaceTask, check_dropout, main_process_first
 from src.final_model import label_maps, save_labels
-from src.tasks.hf import HuggingFaceTask, check_dropout, main_process_first
 
 
 class TextClassification(HuggingFaceTask):
