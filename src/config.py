@@ -25,7 +25,7 @@ class TrainConfig:
     # --- run ---
     output_dir: str | None = None  # config.yaml, metrics.jsonl, checkpoints/, model/ go here; None: runs/<task>
     output_mirror: str | None = None  # s3://bucket/run or any fsspec URL: a copy of checkpoints/, model/, metrics.jsonl
-    output_mirror_async: bool = False  # upload each checkpoint on a thread while training goes on (docs/resume.md)
+    output_mirror_async: bool = False  # upload each checkpoint on a thread as training goes on (docs/object_storage.md)
     overwrite_output_dir: bool = False  # allow a fresh run to replace a previous run's files in output_dir
     seed: int = 42  # the same on every process: identical initial weights and data order
     run_name: str | None = None  # wandb run name

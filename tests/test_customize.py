@@ -29,7 +29,7 @@ from tests.conftest import (
     run_train,
     series,
 )
-from tests.test_errors import assert_error_line
+from tests.helpers import assert_error_line
 
 GUIDE = (REPO / "docs" / "customize.md").read_text()
 

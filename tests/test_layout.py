@@ -1,6 +1,8 @@
-"""The shape of the code: no import cycle between the modules of src/ and train.py, and a loop that stays readable."""
+"""The shape of the code: no import cycle between the modules of src/ and train.py; test modules that import no other
+test module."""
 
 import ast
+import re
 from pathlib import Path
 
 from tests.conftest import REPO
@@ -82,20 +84,29 @@ def test_the_cycle_finder_finds_a_function_local_cycle(tmp_path):
     assert find_cycle(graph) == ["a", "b", "a"]
 
 
-def test_train_reads_in_one_sitting():
-    """train() at most 80 lines and 4 blocks deep; the loop body at most 40 lines."""
-    tree = ast.parse((REPO / "train.py").read_text())
-    train = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "train")
-    blocks = (ast.For, ast.While, ast.If, ast.With, ast.Try)
+def imported_test_modules(path: Path) -> set[str]:
+    """The tests.test_* modules that the file at `path` imports, anywhere in it (a function's import too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return {name for name in found if re.match(r"(tests\.)?test_\w+$", name)}
 
-    def depth(node, level=0):
-        children = [child for child in ast.iter_child_nodes(node) if not isinstance(child, ast.FunctionDef)]
-        return max([level, *(depth(c, level + isinstance(c, blocks)) for c in children)])
 
-    loop = next(node for node in ast.walk(train) if isinstance(node, ast.For))
-    assert train.end_lineno - train.lineno + 1 <= 80
-    assert depth(train) <= 4
-    assert loop.end_lineno - loop.lineno + 1 <= 40
+def test_no_test_module_imports_another():
+    """Shared helpers live in tests/helpers.py or tests/conftest.py: a feature's test file deleted with the feature
+    takes nothing from the tests that stay."""
+    imports = {path.name: imported_test_modules(path) for path in sorted((REPO / "tests").glob("*.py"))}
+    assert {name: found for name, found in imports.items() if found} == {}
+
+
+def test_the_test_import_check_sees_every_form(tmp_path):
+    module = tmp_path / "test_a.py"
+    module.write_text("import os\nfrom tests.helpers import x\nfrom tests import test_b\n"
+                      "def f():\n    from tests.test_c import y\n    import test_d\n")  # fmt: skip
+    assert imported_test_modules(module) == {"tests.test_b", "tests.test_c", "test_d"}
 
 
 def test_every_module_is_on_the_map():

@@ -28,9 +28,7 @@ from tests.conftest import (
     run_with_hook,
     signal_at,
 )
-from tests.test_checkpoint import train_losses
-from tests.test_docs import as_written, workspace
-from tests.test_errors import assert_error_line
+from tests.helpers import as_written, assert_bash_blocks_run, assert_error_line, train_losses, workspace
 
 RUN = ["--max_steps", "8", "--logging_steps", "1", "--save_steps", "2", "--eval_steps", "1000"]  # 4 checkpoints
 BUCKETS = (f"bucket-{i}" for i in itertools.count())
@@ -275,7 +273,11 @@ import fsspec.implementations.local
 from src.checkpoint import TrainerState, checkpoint_dir
 from src.config import TrainConfig
 from src.object_storage import upload_checkpoint
-from tests.test_object_storage import MainProcess
+
+class MainProcess:  # the accelerator's part that upload_checkpoint uses, for one process
+    is_main_process, num_processes = True, 1
+    def wait_for_everyone(self):
+        pass
 
 out = Path(sys.argv[1])
 (checkpoint_dir(out, 2)).mkdir(parents=True)
@@ -339,9 +341,9 @@ def test_a_bucket_holding_another_run_is_refused_unless_continued_or_replaced(s3
 
 @pytest.mark.slow
 def test_docs_command_resumes_on_a_fresh_machine(s3, tmp_path):
-    """docs/resume.md's command as written, in a folder with its own runs/: a first start, the local runs/ deleted,
-    the same command again: it continues from the bucket's checkpoint."""
-    (command,) = section_commands("Checkpoints in object storage", page="docs/resume.md")
+    """docs/object_storage.md's command as written, in a folder with its own runs/: a first start, the local runs/
+    deleted, the same command again: it continues from the bucket's checkpoint."""
+    (command,) = section_commands("Checkpoints in object storage", page="docs/object_storage.md")
     s3.client.create_bucket(Bucket="my-bucket")
     cwd = workspace(tmp_path)
     assert_ok(run_command([*as_written(command), *QUICK], cwd=cwd, env=s3.env))
@@ -508,3 +510,7 @@ class OtherProcess(MainProcess):
 
     def reduce(self, flag, reduction):
         return flag
+
+
+def test_every_command_of_the_page_is_run():
+    assert_bash_blocks_run("docs/object_storage.md")
