@@ -10,9 +10,15 @@ import pytest
 import torch
 
 from tests.conftest import QUICK, assert_ok, assert_processes, read_metrics, run_snippet, run_train
-from tests.test_errors import assert_error_line
-from tests.test_hf import LM_EVAL, assert_same_training, classification, language_modeling
-from tests.test_sharded import STRATEGIES, strategy_params
+from tests.helpers import (
+    LM_EVAL,
+    STRATEGIES,
+    assert_error_line,
+    assert_same_training,
+    classification,
+    language_modeling,
+    strategy_params,
+)
 
 pytest.importorskip("peft")
 pytestmark = pytest.mark.slow

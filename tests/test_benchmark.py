@@ -10,6 +10,7 @@ from scripts.benchmark import RATIOS, SIDES, warmup_cosine
 from src.config import TrainConfig
 from src.optim import lr_factor
 from tests.conftest import assert_ok, run_python
+from tests.helpers import assert_bash_blocks_run
 
 
 def test_the_hand_written_schedule_is_the_templates():
@@ -58,3 +59,7 @@ def test_benchmark_writes_its_report(tmp_path):
                                                        "max": max(speeds)}  # fmt: skip
             assert measured[side]["peak_memory_gb"] == max(run["peak_memory_gb"] for run in side_runs)
         assert f"{condition}: template/raw {measured['ratios']['template/raw']:.3f}" in result.stdout
+
+
+def test_every_command_of_the_page_is_run():
+    assert_bash_blocks_run("docs/benchmark.md")

@@ -9,20 +9,15 @@ from tests.conftest import (
     assert_ok,
     assert_processes,
     launch_command,
-    logged_losses,
     read_metrics,
     run_command,
     run_with_hook,
     series,
     signal_at,
 )
+from tests.helpers import train_losses
 
 RUN = ["--max_steps", "60", "--logging_steps", "1", "--save_steps", "10", "--eval_steps", "25"]
-
-
-def train_losses(output_dir):
-    """(step -> train/loss, each step once; step -> eval/accuracy)."""
-    return logged_losses(output_dir), series(read_metrics(output_dir), "eval/accuracy")
 
 
 @pytest.fixture(scope="module")

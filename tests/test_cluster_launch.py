@@ -28,7 +28,7 @@ from tests.conftest import (
     series,
     signal_at,
 )
-from tests.test_errors import assert_error_line
+from tests.helpers import assert_error_line
 
 PYTORCHJOB = REPO / "deploy" / "kubernetes" / "pytorchjob.yaml"
 SKYPILOT = REPO / "deploy" / "skypilot" / "train.yaml"

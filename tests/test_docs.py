@@ -1,11 +1,13 @@
 """The README and docs/ pages: every ```bash block is run by a test, links resolve, the README stays a front door.
 
-Each page's commands are found by section (`scripts/readme_commands.py: section_commands(heading, page)`); the
-commands of the sections no other test file runs are run here, as written (training runs shortened).
+Each page's commands are found by section (`scripts/readme_commands.py: section_commands(heading, page)`). A
+feature's page is checked by the feature's own test module (`assert_bash_blocks_run("docs/<page>.md")`, which
+tests/helpers.py has), so deleting a feature's page and tests together leaves this file green; the core's pages are
+checked here, and every page must be checked somewhere. The commands of the core's sections are run here, as written
+(training runs shortened).
 """
 
 import re
-import shlex
 import shutil
 import sys
 
@@ -13,36 +15,47 @@ import pandas as pd
 import pytest
 import torch
 
-from scripts.readme_commands import BASH_BLOCK, section_block, section_commands
-from tests.conftest import QUICK, REPO, assert_ok, assert_processes, free_port, read_metrics, run_command
-from tests.test_launch_configs import slurm  # noqa: F401  (the fake SLURM fixture)
+from scripts.readme_commands import section_commands
+from tests.conftest import QUICK, REPO, assert_ok, assert_processes, read_metrics, run_command
+from tests.helpers import as_written, assert_bash_blocks_run, docs_code_block, pages_claimed_by, workspace
 
 PAGES = ["README.md", *sorted(str(path.relative_to(REPO)) for path in (REPO / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```.*?^```", flags=re.DOTALL | re.MULTILINE)
 
-
-def sections_run_by_tests() -> set[tuple[str, str]]:
-    """(page, heading) of every section_commands(...) call in tests/ and of the Quickstart, which .ci/run runs."""
-    call = re.compile(r'section_commands\(\s*"([^"]+)"(?:\s*,\s*page\s*=\s*"([^"]+)")?\s*\)')
-    found = set()
-    for path in (REPO / "tests").glob("*.py"):
-        found |= {(page or "README.md", heading) for heading, page in call.findall(path.read_text())}
-    if "readme_commands.py quickstart" in (REPO / ".ci" / "run").read_text():
-        found.add(("README.md", "Quickstart"))
-    return found
+# The core's pages; each feature's page is checked by its own test module.
+CORE_PAGES = ["README.md", *(f"docs/{name}.md" for name in ("config", "customize", "errors", "how_it_works",
+                                                            "launching", "predict", "resume", "tracking"))]  # fmt: skip
 
 
-def test_every_bash_block_is_run_by_a_test():
-    """A ```bash block counts as run when it is the block some test's section_commands(heading, page) returns."""
-    run = {}
-    for page, heading in sections_run_by_tests():
-        assert (REPO / page).is_file(), f"a test reads {page}, which does not exist"
-        run.setdefault(page, set()).add(section_block(heading, page).start())
-    for page in PAGES:
-        text = (REPO / page).read_text()
-        for block in BASH_BLOCK.finditer(text):
-            line = text[: block.start()].count("\n") + 1
-            assert block.start() in run.get(page, set()), f"{page}:{line}: no test runs this ```bash block"
+@pytest.mark.parametrize("page", CORE_PAGES)
+def test_every_bash_block_of_a_core_page_is_run_by_a_test(page):
+    assert_bash_blocks_run(page)
+
+
+def test_every_page_is_checked_by_a_test_module():
+    """Each page is a core page or some test module's assert_bash_blocks_run("<page>"): a new page can't go
+    unchecked, and a page deleted with its feature's test module takes its claim along."""
+    claimed = set(CORE_PAGES)
+    for path in (REPO / "tests").glob("test_*.py"):
+        claimed |= pages_claimed_by(path)
+    assert [page for page in PAGES if page not in claimed] == []
+
+
+def test_the_page_check_fails_on_a_block_no_test_runs(tmp_path, monkeypatch):
+    """assert_bash_blocks_run, shown able to fail: a page with a second ```bash block that no section_commands call
+    returns."""
+    import tests.helpers
+
+    page = tmp_path / "docs" / "page.md"
+    page.parent.mkdir()
+    page.write_text("# Page\n\n## Run\n\n```bash\necho run\n```\n\n## Not run\n\n```bash\necho no\n```\n")
+    monkeypatch.setattr(tests.helpers, "REPO", tmp_path)
+    monkeypatch.setattr("scripts.readme_commands.REPO", tmp_path)
+    monkeypatch.setattr(tests.helpers, "sections_run_by_tests", lambda: {("docs/page.md", "Run")})
+    with pytest.raises(AssertionError, match=r"docs/page.md:11: no test runs this"):
+        assert_bash_blocks_run("docs/page.md")
+    page.write_text(page.read_text().split("## Not run")[0])
+    assert_bash_blocks_run("docs/page.md")
 
 
 def slug(heading: str) -> str:
@@ -82,26 +95,6 @@ def test_readme_is_a_front_door_with_a_map_of_every_docs_page():
 # --- the commands of the sections no other test file runs ---
 
 
-def workspace(tmp_path, *names: str):
-    """A folder that links to the repository's code and digits, so commands run in it write their runs/ and data/
-    there."""
-    for name in names or ("train.py", "src", "configs", "accelerate_configs", "scripts"):
-        (tmp_path / name).symlink_to(REPO / name)
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "digits").symlink_to(REPO / "data" / "digits")
-    return tmp_path
-
-
-def as_written(command: str) -> list[str]:
-    """The command's words, `python` and `accelerate launch` run from this interpreter."""
-    words = shlex.split(command)
-    if words[:2] == ["accelerate", "launch"]:
-        return [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()), *words[2:]]
-    if words[0] == "python":
-        return [sys.executable, *words[1:]]
-    return words
-
-
 @pytest.mark.slow
 def test_resume_command_starts_then_resumes(tmp_path):
     """docs/resume.md's command, twice: the first start trains, the second resumes from its checkpoint."""
@@ -125,48 +118,6 @@ def test_plot_command_draws_a_1_and_a_2_process_run(tmp_path):
         assert_processes(cwd / "runs" / name, processes)
     assert_ok(run_command(as_written(command), cwd=cwd))
     assert (cwd / "curves.png").read_bytes().startswith(b"\x89PNG")
-
-
-@pytest.mark.slow
-def test_gpt_recipe_commands(tmp_path):
-    """docs/lm.md: prepare the stdlib text, train configs/lm.yaml (shortened); the GPU command where a GPU exists."""
-    commands = section_commands("A GPT on real text", page="docs/lm.md")
-    assert [c.split()[1] for c in commands] == ["scripts/prepare_text.py", "train.py", "launch"]
-    cwd = workspace(tmp_path)
-    for i, command in enumerate(commands):
-        if "single_gpu" in command and not torch.cuda.is_available():
-            continue
-        shorten = ["--max_steps", "4", "--logging_steps", "2", "--max_eval_tokens", "8192", "--output_dir", f"r{i}"]
-        assert_ok(run_command(as_written(command) + (shorten if "train.py" in command else []), cwd=cwd, timeout=600))
-    assert (cwd / "data" / "stdlib" / "train.parquet").is_file()
-    assert [row["step"] for row in read_metrics(cwd / "r1") if "train/loss" in row] == [2, 4]
-
-
-def test_slurm_commands_run_under_a_fake_slurm(slurm):  # noqa: F811
-    """docs/launching.md's sbatch commands: each script runs (under fake srun/scontrol/launchers) on every node and
-    passes the command's arguments on to train.py."""
-    commands = section_commands("SLURM clusters", page="docs/launching.md")
-    assert len(commands) == 3
-    for command in commands:
-        words = shlex.split(command)
-        script = next(i for i, word in enumerate(words) if word.endswith(".sbatch"))
-        assert words[0] == "sbatch" and all(word.startswith("--") for word in words[1:script]), command
-        args = words[script + 1 :]
-        nodes = int(next((w.split("=")[1] for w in words[1:script] if w.startswith("--nodes=")), 1))
-        env = {"SLURM_NNODES": str(nodes), "SLURM_JOB_NODELIST": f"gpu-node-[1-{nodes}]", "SLURM_GPUS_ON_NODE": "2",
-               "SLURM_CPUS_PER_TASK": "4"}  # fmt: skip
-        result = slurm.run(REPO / words[script], *args, **env)
-        assert result.returncode == 0, (command, result.stderr)
-        resume = ["--resume_from_checkpoint", "latest", "--output_dir", str(slurm.output_dir)]
-        for node in range(nodes):
-            launched = slurm.launched(node)
-            assert "train.py" in launched and launched[-len(args) - 4 :] == [*args, *resume], (command, launched)
-
-
-def guide_block(first_line: str, language: str = "python") -> str:
-    guide = (REPO / "docs" / "customize.md").read_text()
-    (block,) = [b for b in re.findall(rf"```{language}\n(.*?)```", guide, flags=re.DOTALL) if b.startswith(first_line)]
-    return block
 
 
 @pytest.mark.slow
@@ -198,8 +149,10 @@ def test_guide_task_commands(tmp_path):
     cwd = workspace(tmp_path, "configs", "accelerate_configs", "scripts")
     shutil.copy(REPO / "train.py", cwd)  # a copy: python puts a linked script's real folder first on sys.path
     shutil.copytree(REPO / "src", cwd / "src", ignore=shutil.ignore_patterns("__pycache__"))
-    (cwd / "src" / "tasks" / "sequences.py").write_text(guide_block("# src/tasks/sequences.py"))
-    (cwd / "make_sequences.py").write_text(guide_block("# make_sequences.py"))
+    (cwd / "src" / "tasks" / "sequences.py").write_text(
+        docs_code_block("docs/customize.md", "# src/tasks/sequences.py")
+    )
+    (cwd / "make_sequences.py").write_text(docs_code_block("docs/customize.md", "# make_sequences.py"))
     for i, command in enumerate(commands):
         extra = [*QUICK, "--output_dir", f"run{i}"] if "train.py" in command else []
         assert_ok(run_command(as_written(command) + extra, cwd=cwd, timeout=600))

@@ -2,7 +2,6 @@
 A run that fails later says so the same way, with its own exit code (65 diverged, 74 checkpoint write failed)."""
 
 import math
-import re
 import sys
 
 import numpy as np
@@ -21,6 +20,7 @@ from tests.conftest import (
     run_with_hook,
     signal_at,
 )
+from tests.helpers import assert_error_line
 
 DIGITS = REPO / "data" / "digits"
 
@@ -74,14 +74,6 @@ CASES = {
         r"train split has 40 samples, fewer than one global batch of 64",
     ),
 }
-
-
-def assert_error_line(result, pattern: str, exit_code: int = EXIT_USAGE) -> None:
-    assert result.returncode == exit_code, result.stderr[-2000:]
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: "), result.stderr[-2000:]
-    assert re.search(pattern, last), last
-    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.slow

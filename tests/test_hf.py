@@ -26,6 +26,15 @@ from tests.conftest import (
     series,
     signal_at,
 )
+from tests.helpers import (
+    LM_EVAL,
+    assert_bash_blocks_run,
+    assert_same_training,
+    classification,
+    copy_of_the_repo,
+    language_modeling,
+    losses,
+)
 
 pytest.importorskip("transformers")
 
@@ -33,22 +42,6 @@ pytest.importorskip("transformers")
 @pytest.fixture(scope="module")
 def assets(hf_assets) -> dict[str, str]:
     return hf_assets
-
-
-def classification(assets, *args) -> list[str]:
-    return ["--task", "text_classification", "--model_name_or_path", assets["bert"], "--data_files", assets["data"],
-            "--dropout", "0", "--learning_rate", "1e-3", "--logging_steps", "1", "--eval_steps", "1000",
-            *args]  # fmt: skip
-
-
-def language_modeling(assets, *args) -> list[str]:
-    return ["--task", "language_modeling", "--model_name_or_path", assets["gpt2"], "--data_files", assets["data"],
-            "--dropout", "0", "--learning_rate", "1e-3", "--logging_steps", "1", "--eval_steps", "1000",
-            "--packing", "false", "--block_size", "64", *args]  # fmt: skip
-
-
-def losses(output_dir) -> torch.Tensor:
-    return torch.tensor(list(series(read_metrics(output_dir), "train/loss").values()))
 
 
 def train_on_1_and_2_processes(tmp_path_factory, name: str, args: dict[int, list[str]]) -> dict:
@@ -59,16 +52,6 @@ def train_on_1_and_2_processes(tmp_path_factory, name: str, args: dict[int, list
         assert_ok(run_train(*flags, "--output_dir", str(runs[processes]), processes=processes))
         assert_processes(runs[processes], processes)
     return runs
-
-
-def assert_same_training(runs: dict, steps: int) -> list[dict]:
-    """Per-step train loss and final eval loss equal (1e-5) on 1 and 2 processes; returns the final eval rows."""
-    one, two = (losses(runs[n]) for n in (1, 2))
-    assert len(one) == steps
-    torch.testing.assert_close(two, one, rtol=0, atol=1e-5)
-    final = [read_metrics(runs[n])[-1] for n in (1, 2)]
-    assert final[1]["eval/loss"] == pytest.approx(final[0]["eval/loss"], abs=1e-5)
-    return final
 
 
 @pytest.fixture(scope="module")
@@ -199,26 +182,6 @@ def test_per_micro_batch_means_would_train_differently(assets, modeled, tmp_path
     one, two = losses(runs[1]), losses(runs[2])
     assert (two - one).abs().max() > 1e-3, (one, two)
     torch.testing.assert_close(one, losses(modeled[1]), rtol=0, atol=1e-5)  # one batch of 16: mean is the mean
-
-
-LM_EVAL = """
-import json, sys, torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-model_dir, eval_file = sys.argv[1:3]
-if sys.argv[3:] == ["peft"]:  # an adapter folder, by PEFT's own loader
-    from peft import AutoPeftModelForCausalLM as AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-tokenizer = AutoTokenizer.from_pretrained(model_dir)
-total = count = 0.0
-with torch.no_grad():
-    for row in (json.loads(line) for line in open(eval_file)):
-        ids = tokenizer(row["text"], truncation=True, max_length=64, return_tensors="pt")["input_ids"]
-        if ids.shape[1] > 1:
-            logits = model(input_ids=ids).logits[0, :-1].float()
-            total += torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum").item()
-            count += ids.shape[1] - 1
-print(total / count)
-"""
 
 
 @pytest.mark.slow
@@ -368,7 +331,6 @@ def test_readme_hugging_face_commands_run_as_written(tmp_path, assets):
     data, is the hf_assets fixture's (tests/conftest.py: both scripts with their defaults): its folders are copied
     in."""
     from scripts.readme_commands import section_commands
-    from tests.test_project import copy_of_the_repo
 
     copy = copy_of_the_repo(tmp_path / "repo")
     for made in ("tiny", "text"):
@@ -494,3 +456,7 @@ def test_config_overrides_keep_derived_fields_consistent(overrides, head_dim, me
     explicit = LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=32)  # not derived: cannot be followed
     with pytest.raises(UsageError, match="head_dim 32 is not hidden_size / num_attention_heads; set head_dim too"):
         apply_overrides(explicit, "hidden_size=96")
+
+
+def test_every_command_of_the_page_is_run():
+    assert_bash_blocks_run("docs/hugging_face.md")

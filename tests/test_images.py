@@ -26,10 +26,14 @@ from tests.conftest import (
     series,
     signal_at,
 )
-from tests.test_checkpoint import train_losses
-from tests.test_customize import code_block
-from tests.test_docs import as_written, workspace
-from tests.test_errors import assert_error_line
+from tests.helpers import (
+    as_written,
+    assert_bash_blocks_run,
+    assert_error_line,
+    docs_code_block,
+    train_losses,
+    workspace,
+)
 
 # 128 train images in global batches of 32: 4 steps an epoch, so 12 steps cross two epoch boundaries
 SHORT = ["--max_steps", "12", "--max_train_samples", "128", "--global_batch_size", "32",
@@ -67,7 +71,7 @@ def test_the_loop_sets_the_epoch_in_the_loader_workers():
     epoch's iterator starts) and under --max_train_samples' Subset: each epoch's samples are those the epoch's seed
     gives, and the same again when an epoch is read a second time (a resume)."""
     namespace = {}
-    exec(code_block("# a train dataset whose random draws are the same"), namespace)
+    exec(docs_code_block("docs/customize.md", "# a train dataset whose random draws are the same"), namespace)
     inputs, labels = torch.zeros(6, 2), torch.arange(6)
     noisy = namespace["Noisy"](inputs, labels, seed=3)
     assert isinstance(noisy, EpochDependent)
@@ -239,3 +243,7 @@ def test_a_folder_without_class_subfolders_is_one_line_and_exit_2(docs, tmp_path
     )
     assert_error_line(result, rf"the train folder {flat / 'train'} has no class subfolders .*<class>/\*\.png")
     assert not out.exists()
+
+
+def test_every_command_of_the_page_is_run():
+    assert_bash_blocks_run("docs/images.md")

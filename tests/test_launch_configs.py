@@ -16,6 +16,7 @@ from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.commands.launch import launch_command_parser
 from accelerate.utils import DistributedType, patch_environment
 
+from scripts.readme_commands import section_commands
 from tests.conftest import REPO
 
 CONFIGS = sorted((REPO / "accelerate_configs").glob("*.yaml"))
@@ -407,3 +408,24 @@ def test_no_requeue_for_a_preemption_checkpoint_older_than_this_launch(requeue, 
     write_checkpoint(tmp_path / "run", 10, preempted=True)
     assert requeue(tmp_path / "run", "1", LAUNCH_START=str(int(time.time()) + 60)) == (1, [])
     assert requeue(tmp_path / "run", "1", LAUNCH_START=str(int(time.time()) - 60)) == (0, ["requeue 4242"])
+
+
+def test_slurm_commands_run_under_a_fake_slurm(slurm):
+    """docs/launching.md's sbatch commands: each script runs (under fake srun/scontrol/launchers) on every node and
+    passes the command's arguments on to train.py."""
+    commands = section_commands("SLURM clusters", page="docs/launching.md")
+    assert len(commands) == 3
+    for command in commands:
+        words = shlex.split(command)
+        script = next(i for i, word in enumerate(words) if word.endswith(".sbatch"))
+        assert words[0] == "sbatch" and all(word.startswith("--") for word in words[1:script]), command
+        args = words[script + 1 :]
+        nodes = int(next((w.split("=")[1] for w in words[1:script] if w.startswith("--nodes=")), 1))
+        env = {"SLURM_NNODES": str(nodes), "SLURM_JOB_NODELIST": f"gpu-node-[1-{nodes}]", "SLURM_GPUS_ON_NODE": "2",
+               "SLURM_CPUS_PER_TASK": "4"}  # fmt: skip
+        result = slurm.run(REPO / words[script], *args, **env)
+        assert result.returncode == 0, (command, result.stderr)
+        resume = ["--resume_from_checkpoint", "latest", "--output_dir", str(slurm.output_dir)]
+        for node in range(nodes):
+            launched = slurm.launched(node)
+            assert "train.py" in launched and launched[-len(args) - 4 :] == [*args, *resume], (command, launched)

@@ -1,6 +1,8 @@
-"""The shape of the code: no import cycle between the modules of src/ and train.py, and a loop that stays readable."""
+"""The shape of the code: no import cycle between the modules of src/ and train.py; test modules that import no other
+test module."""
 
 import ast
+import re
 from pathlib import Path
 
 from tests.conftest import REPO
@@ -90,6 +92,31 @@ def test_the_cycle_finder_finds_a_function_local_cycle(tmp_path):
     (tmp_path / "b.py").write_text("def f():\n    import a\n")
     graph = {name: runtime_imports(tmp_path / f"{name}.py", {"a", "b"}) - {name} for name in ("a", "b")}
     assert find_cycle(graph) == ["a", "b", "a"]
+
+
+def imported_test_modules(path: Path) -> set[str]:
+    """The tests.test_* modules that the file at `path` imports, anywhere in it (a function's import too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return {name for name in found if re.match(r"(tests\.)?test_\w+$", name)}
+
+
+def test_no_test_module_imports_another():
+    """Shared helpers live in tests/helpers.py or tests/conftest.py: a feature's test file deleted with the feature
+    takes nothing from the tests that stay."""
+    imports = {path.name: imported_test_modules(path) for path in sorted((REPO / "tests").glob("*.py"))}
+    assert {name: found for name, found in imports.items() if found} == {}
+
+
+def test_the_test_import_check_sees_every_form(tmp_path):
+    module = tmp_path / "test_a.py"
+    module.write_text("import os\nfrom tests.helpers import x\nfrom tests import test_b\n"
+                      "def f():\n    from tests.test_c import y\n    import test_d\n")  # fmt: skip
+    assert imported_test_modules(module) == {"tests.test_b", "tests.test_c", "test_d"}
 
 
 def test_every_module_is_on_the_map():

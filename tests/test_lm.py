@@ -8,12 +8,24 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from scripts.readme_commands import section_commands
 from src.cli import resolve
 from src.config import TrainConfig
 from src.errors import UsageError
 from src.features.gpt import causal_lm
 from src.tasks import build_task
-from tests.conftest import REPO, assert_ok, assert_processes, read_metrics, run_python, run_train, run_with_hook, series
+from tests.conftest import (
+    REPO,
+    assert_ok,
+    assert_processes,
+    read_metrics,
+    run_command,
+    run_python,
+    run_train,
+    run_with_hook,
+    series,
+)
+from tests.helpers import as_written, assert_bash_blocks_run, workspace
 
 LM = ["--config", "configs/lm.yaml"]
 STDLIB = REPO / "data" / "stdlib"
@@ -233,3 +245,25 @@ def test_prepared_text_splits_by_file(tmp_path):
     assert 0.02 < len(evaluation["path"]) / (len(train["path"]) + len(evaluation["path"])) < 0.1
     total = sum(len(text.encode()) for split in (train, evaluation) for text in split["text"])
     assert 2**20 < total <= 8 * 2**20  # the default --max_mb 8 cap, and megabytes of real text
+
+
+# --- docs/lm.md ---
+
+
+def test_every_command_of_the_page_is_run():
+    assert_bash_blocks_run("docs/lm.md")
+
+
+@pytest.mark.slow
+def test_gpt_recipe_commands(tmp_path):
+    """docs/lm.md: prepare the stdlib text, train configs/lm.yaml (shortened); the GPU command where a GPU exists."""
+    commands = section_commands("A GPT on real text", page="docs/lm.md")
+    assert [c.split()[1] for c in commands] == ["scripts/prepare_text.py", "train.py", "launch"]
+    cwd = workspace(tmp_path)
+    for i, command in enumerate(commands):
+        if "single_gpu" in command and not torch.cuda.is_available():
+            continue
+        shorten = ["--max_steps", "4", "--logging_steps", "2", "--max_eval_tokens", "8192", "--output_dir", f"r{i}"]
+        assert_ok(run_command(as_written(command) + (shorten if "train.py" in command else []), cwd=cwd, timeout=600))
+    assert (cwd / "data" / "stdlib" / "train.parquet").is_file()
+    assert [row["step"] for row in read_metrics(cwd / "r1") if "train/loss" in row] == [2, 4]

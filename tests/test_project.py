@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO, assert_ok, run_command, run_python
+from tests.helpers import copy_of_the_repo
 
 
 def test_ruff_lint_and_format_are_clean():
@@ -50,13 +51,6 @@ def test_makefile_targets_run_real_commands():
     lint = make("lint")
     ruff_summary = re.search(r"^(All checks passed!|Found \d+ errors?)", lint.stdout, flags=re.MULTILINE)
     assert ruff_summary, lint.stdout + lint.stderr
-
-
-def copy_of_the_repo(destination):
-    ignore = shutil.ignore_patterns(".venv", ".git", "runs", "data", "__pycache__", ".pytest_cache", ".ruff_cache")
-    shutil.copytree(REPO, destination, ignore=ignore)
-    shutil.copytree(REPO / "data" / "digits", destination / "data" / "digits")
-    return destination
 
 
 def test_new_project_renames_a_copy_of_the_template(tmp_path):

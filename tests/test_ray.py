@@ -19,7 +19,7 @@ from tests.conftest import (
     run_command,
     run_train,
 )
-from tests.test_errors import assert_error_line
+from tests.helpers import assert_error_line
 
 pytest.importorskip("ray.train")
 

@@ -9,7 +9,7 @@ import yaml
 
 from scripts.readme_commands import section_commands
 from tests.conftest import QUICK, REPO, assert_ok, assert_processes, free_port, read_metrics, run_command
-from tests.test_sharded import STRATEGIES, readme_command
+from tests.helpers import STRATEGIES, readme_command
 
 
 def test_quickstart_is_exactly_two_commands_and_ci_runs_them():

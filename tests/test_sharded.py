@@ -7,7 +7,6 @@ of the parameters (FSDP2, ZeRO-3) and of the optimiser state, and a sharded chec
 process count. Then the tiny GPT-2 with padded batches and accumulation: FSDP2 wraps each block, and every strategy
 trains as one process does and saves a model that from_pretrained loads to the run's eval loss."""
 
-import importlib.util
 import json
 import shutil
 
@@ -25,15 +24,14 @@ from tests.conftest import (
     series,
     signal_at,
 )
-from tests.test_hf import LM_EVAL, language_modeling
-
-STRATEGIES = {"fsdp": "FSDP2", "deepspeed_zero2": "DeepSpeed ZeRO-2", "deepspeed_zero3": "DeepSpeed ZeRO-3"}
-
-
-def readme_command(config: str) -> str:
-    """The README's launch line of a strategy (tests/test_readme.py leaves these to the runs here)."""
-    return f"accelerate launch --config_file accelerate_configs/{config}.yaml train.py"
-
+from tests.helpers import (
+    LM_EVAL,
+    STRATEGIES,
+    assert_bash_blocks_run,
+    language_modeling,
+    readme_command,
+    strategy_params,
+)
 
 # float32 (the shipped configs say bf16) so that the losses compare with one process's to 1e-5. The "best" model is
 # the one with the higher eval loss (step 15's, checkpointed as a new best), so that loading it at the end shows.
@@ -43,11 +41,6 @@ RUN = ["--max_steps", "30", "--logging_steps", "1", "--save_steps", "10", "--eva
 KILLED_AT = 17  # after the checkpoint of step 15: the resumed run repeats steps 16 and 17
 
 pytestmark = pytest.mark.slow
-
-
-def strategy_params():
-    no_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="pip install deepspeed")
-    return [pytest.param(config, marks=[no_deepspeed] if "deepspeed" in config else []) for config in STRATEGIES]
 
 
 @pytest.fixture(scope="module")
@@ -211,3 +204,7 @@ def test_saved_language_model_loads_with_from_pretrained_to_the_eval_loss(gpt2_s
     result = run_snippet(LM_EVAL, str(out / "model"), hf_assets["eval"])
     assert_ok(result)
     assert float(result.stdout.strip().splitlines()[-1]) == pytest.approx(read_metrics(out)[-1]["eval/loss"], rel=1e-5)
+
+
+def test_every_command_of_the_page_is_run():
+    assert_bash_blocks_run("docs/sharded.md")

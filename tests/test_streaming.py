@@ -26,6 +26,7 @@ from tests.conftest import (
     series,
     signal_at,
 )
+from tests.helpers import assert_bash_blocks_run
 
 SHARDS = 8
 TINY = ["--task", "causal_lm", "--n_layer", "1", "--n_embd", "32", "--block_size", "32"]
@@ -202,3 +203,7 @@ def test_language_modeling_streams_the_same_on_one_and_two_processes(gpt2, tmp_p
     one, two = (series(read_metrics(runs[p]), "train/loss") for p in (1, 2))
     assert list(one) == list(two) == list(range(1, 9))
     assert max(abs(one[s] - two[s]) for s in one) <= 1e-5
+
+
+def test_every_command_of_the_page_is_run():
+    assert_bash_blocks_run("docs/streaming.md")

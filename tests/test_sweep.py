@@ -16,6 +16,7 @@ from scripts.readme_commands import section_commands
 from src.cli import parse_config
 from src.errors import UsageError
 from tests.conftest import REPO, assert_ok, assert_processes, read_metrics, run_command, run_python
+from tests.helpers import assert_bash_blocks_run
 
 optuna = pytest.importorskip("optuna")
 
@@ -212,3 +213,7 @@ def test_readme_sweep_command_runs_as_written(command, tmp_path):
             assert trial.last_step == 30 and len(eval_lines(trial_dir)) < full
     assert result.stdout.count("| PRUNED |") == len(pruned) and "best: trial" in result.stdout
     assert (out / "trials.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_command_of_the_page_is_run():
+    assert_bash_blocks_run("docs/sweeps.md")

@@ -58,7 +58,7 @@ PROBE = ".write_check"  # written and removed by the start's check
 @dataclass
 class MirrorOptions:
     output_mirror: str | None = None  # s3://bucket/run or any fsspec URL: a copy of checkpoints/, model/, metrics.jsonl
-    output_mirror_async: bool = False  # upload each checkpoint on a thread while training goes on (docs/resume.md)
+    output_mirror_async: bool = False  # upload each checkpoint on a thread as training goes on (docs/object_storage.md)
 
     def __post_init__(self):
         if self.output_mirror_async and not self.output_mirror:

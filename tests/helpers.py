@@ -1,0 +1,176 @@
+"""What several test modules share, as plain functions and constants (fixtures live in tests/conftest.py).
+
+A test module imports from here or from conftest, never from another test module: deleting a feature's test file
+then takes nothing from the tests that stay (tests/test_layout.py checks it).
+"""
+
+import importlib.util
+import re
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from scripts.readme_commands import BASH_BLOCK, section_block
+from src.errors import EXIT_USAGE
+from tests.conftest import REPO, free_port, logged_losses, read_metrics, series
+
+# --- results of a run ---
+
+
+def assert_error_line(result, pattern: str, exit_code: int = EXIT_USAGE) -> None:
+    """The run failed as bad input does: exit code `exit_code`, a last stderr line `error: ...` matching `pattern`,
+    no traceback."""
+    assert result.returncode == exit_code, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: "), result.stderr[-2000:]
+    assert re.search(pattern, last), last
+    assert "Traceback" not in result.stderr
+
+
+def train_losses(output_dir):
+    """(step -> train/loss, each step once; step -> eval/accuracy)."""
+    return logged_losses(output_dir), series(read_metrics(output_dir), "eval/accuracy")
+
+
+# --- the docs' commands and code, as a reader runs them ---
+
+
+def workspace(tmp_path, *names: str):
+    """A folder that links to the repository's code and digits, so commands run in it write their runs/ and data/
+    there."""
+    for name in names or ("train.py", "src", "configs", "accelerate_configs", "scripts"):
+        (tmp_path / name).symlink_to(REPO / name)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "digits").symlink_to(REPO / "data" / "digits")
+    return tmp_path
+
+
+def copy_of_the_repo(destination):
+    """The repository's files in `destination` (no .venv, .git, runs or data but the digits)."""
+    ignore = shutil.ignore_patterns(".venv", ".git", "runs", "data", "__pycache__", ".pytest_cache", ".ruff_cache")
+    shutil.copytree(REPO, destination, ignore=ignore)
+    shutil.copytree(REPO / "data" / "digits", destination / "data" / "digits")
+    return destination
+
+
+def as_written(command: str) -> list[str]:
+    """The command's words, `python` and `accelerate launch` run from this interpreter."""
+    words = shlex.split(command)
+    if words[:2] == ["accelerate", "launch"]:
+        return [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()), *words[2:]]
+    if words[0] == "python":
+        return [sys.executable, *words[1:]]
+    return words
+
+
+def docs_code_block(page: str, first_line: str, language: str = "python") -> str:
+    """`page`'s one ```language block whose first line starts with `first_line`."""
+    blocks = re.findall(rf"```{language}\n(.*?)```", (REPO / page).read_text(), flags=re.DOTALL)
+    found = [block for block in blocks if block.startswith(first_line)]
+    assert len(found) == 1, f"{page}: {len(found)} ```{language} blocks start with {first_line!r}"
+    return found[0]
+
+
+# A page's commands are run where a test calls section_commands("<heading>", page="<page>") (or, for the README's
+# Quickstart, by .ci/run). Each page is checked by the test module of its feature (docs/streaming.md by
+# tests/test_streaming.py, ...), the core's pages by tests/test_docs.py, so a feature deleted with its page and its
+# tests takes its check along.
+SECTION_CALL = re.compile(r'section_commands\(\s*"([^"]+)"(?:\s*,\s*page\s*=\s*"([^"]+)")?\s*\)')
+PAGE_CHECK = re.compile(r'assert_bash_blocks_run\(\s*"([^"]+)"\s*\)')  # how a test module claims a page
+
+
+def sections_run_by_tests() -> set[tuple[str, str]]:
+    """(page, heading) of every section_commands(...) call in tests/ and of the Quickstart, which .ci/run runs."""
+    found = set()
+    for path in (REPO / "tests").glob("*.py"):
+        found |= {(page or "README.md", heading) for heading, page in SECTION_CALL.findall(path.read_text())}
+    if "readme_commands.py quickstart" in (REPO / ".ci" / "run").read_text():
+        found.add(("README.md", "Quickstart"))
+    return found
+
+
+def assert_bash_blocks_run(page: str) -> None:
+    """Every ```bash block of `page` (a path from the repository root) is the block that some test's
+    section_commands(heading, page) returns."""
+    assert (REPO / page).is_file(), f"{page} does not exist"
+    run = {section_block(heading, page).start() for name, heading in sections_run_by_tests() if name == page}
+    text = (REPO / page).read_text()
+    for block in BASH_BLOCK.finditer(text):
+        line = text[: block.start()].count("\n") + 1
+        assert block.start() in run, f"{page}:{line}: no test runs this ```bash block"
+
+
+def pages_claimed_by(path: Path) -> set[str]:
+    """The docs pages whose commands the test module at `path` checks (its assert_bash_blocks_run calls)."""
+    return set(PAGE_CHECK.findall(path.read_text()))
+
+
+# --- sharded strategies (tests/test_sharded.py, test_adapters.py, test_readme.py) ---
+
+# accelerate_configs/<name>.yaml -> what the run logs as setup/strategy; a config deleted with its feature drops out
+ALL_STRATEGIES = {"fsdp": "FSDP2", "deepspeed_zero2": "DeepSpeed ZeRO-2", "deepspeed_zero3": "DeepSpeed ZeRO-3"}
+STRATEGIES = {name: s for name, s in ALL_STRATEGIES.items() if (REPO / "accelerate_configs" / f"{name}.yaml").is_file()}
+
+
+def strategy_params():
+    no_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="pip install deepspeed")
+    return [pytest.param(config, marks=[no_deepspeed] if "deepspeed" in config else []) for config in STRATEGIES]
+
+
+def readme_command(config: str) -> str:
+    """The README's launch line of a strategy (tests/test_readme.py leaves these to tests/test_sharded.py's runs)."""
+    return f"accelerate launch --config_file accelerate_configs/{config}.yaml train.py"
+
+
+# --- the Hugging Face tasks on the tiny local models (tests/test_hf.py, test_adapters.py, test_sharded.py) ---
+
+
+def classification(assets, *args) -> list[str]:
+    return ["--task", "text_classification", "--model_name_or_path", assets["bert"], "--data_files", assets["data"],
+            "--dropout", "0", "--learning_rate", "1e-3", "--logging_steps", "1", "--eval_steps", "1000",
+            *args]  # fmt: skip
+
+
+def language_modeling(assets, *args) -> list[str]:
+    return ["--task", "language_modeling", "--model_name_or_path", assets["gpt2"], "--data_files", assets["data"],
+            "--dropout", "0", "--learning_rate", "1e-3", "--logging_steps", "1", "--eval_steps", "1000",
+            "--packing", "false", "--block_size", "64", *args]  # fmt: skip
+
+
+def losses(output_dir) -> torch.Tensor:
+    return torch.tensor(list(series(read_metrics(output_dir), "train/loss").values()))
+
+
+def assert_same_training(runs: dict, steps: int) -> list[dict]:
+    """Per-step train loss and final eval loss equal (1e-5) on 1 and 2 processes; returns the final eval rows."""
+    one, two = (losses(runs[n]) for n in (1, 2))
+    assert len(one) == steps
+    torch.testing.assert_close(two, one, rtol=0, atol=1e-5)
+    final = [read_metrics(runs[n])[-1] for n in (1, 2)]
+    assert final[1]["eval/loss"] == pytest.approx(final[0]["eval/loss"], abs=1e-5)
+    return final
+
+
+# `python -c LM_EVAL model_dir eval.jsonl [peft]`: a saved causal LM's mean token loss on the eval file, printed
+LM_EVAL = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model_dir, eval_file = sys.argv[1:3]
+if sys.argv[3:] == ["peft"]:  # an adapter folder, by PEFT's own loader
+    from peft import AutoPeftModelForCausalLM as AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+tokenizer = AutoTokenizer.from_pretrained(model_dir)
+total = count = 0.0
+with torch.no_grad():
+    for row in (json.loads(line) for line in open(eval_file)):
+        ids = tokenizer(row["text"], truncation=True, max_length=64, return_tensors="pt")["input_ids"]
+        if ids.shape[1] > 1:
+            logits = model(input_ids=ids).logits[0, :-1].float()
+            total += torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum").item()
+            count += ids.shape[1] - 1
+print(total / count)
+"""
