@@ -331,9 +331,8 @@ def test_the_start_check_gives_up_after_its_own_two_retries(monkeypatch):
     (its client's 2 retries, CHECK_OPTIONS), where a client with botocore's defaults keeps trying (5 or 6 times here)
     and waits between tries: a run with a wrong endpoint says so at once instead of after a minute."""
     pytest.importorskip("s3fs")
-    from src.object_storage import check_mirror
-
     from src.errors import UsageError
+    from src.features.object_storage.mirror import check_mirror
 
     listener = socket.create_server(("127.0.0.1", 0))
     attempts = []
@@ -357,7 +356,7 @@ def test_the_start_check_gives_up_after_its_own_two_retries(monkeypatch):
     monkeypatch.delenv("AWS_PROFILE", raising=False)
     try:
         with pytest.raises(UsageError, match=r"cannot use --output_mirror s3://bucket/run: EndpointConnectionError"):
-            check_mirror(TrainConfig(output_dir="unused", output_mirror="s3://bucket/run"))
+            check_mirror(TrainConfig(output_dir="unused", feature_args={"output_mirror": "s3://bucket/run"}))
     finally:
         listener.close()
     tries = len(attempts)
