@@ -18,6 +18,22 @@ from scripts.readme_commands import BASH_BLOCK, section_block
 from src.errors import EXIT_USAGE
 from tests.conftest import REPO, free_port, logged_losses, read_metrics, series
 
+# --- features (features.yaml) ---
+
+
+def has_feature(name: str) -> bool:
+    """Whether this project still has the optional feature `name`: its first file in features.yaml is here."""
+    import yaml
+
+    return (REPO / yaml.safe_load((REPO / "features.yaml").read_text())[name]["paths"][0]).exists()
+
+
+def needs(*names: str):
+    """A test of one part that also uses other features: skipped where the project has removed one of them."""
+    missing = [name for name in names if not has_feature(name)]
+    return pytest.mark.skipif(bool(missing), reason=f"the {', '.join(missing)} feature is not in this project")
+
+
 # --- results of a run ---
 
 
