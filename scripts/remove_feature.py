@@ -66,13 +66,15 @@ def feature_flags(name: str) -> list[str]:
     return [f"--{field.name}" for field in dataclasses.fields(options)] if options else []
 
 
-def check(name: str) -> int:
-    """Remove `name` in a copy, then run what must still work there; 0 when all of it does."""
+def check(names: list[str], tests: str) -> int:
+    """Remove `names` in a copy, then run what must still work there; 0 when all of it does. `tests`: none, or the
+    remaining suite's fast tier or all of it too."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
-    flags = feature_flags(name)
-    with tempfile.TemporaryDirectory(prefix=f"without_{name}_") as folder:
+    flags = [flag for name in names for flag in feature_flags(name)]
+    name = "+".join(names)
+    with tempfile.TemporaryDirectory(prefix="without_") as folder:
         root = copy_of_repo(Path(folder))
-        removed = remove(name, root)
+        removed = [path for one in names for path in remove(one, root)]
         print(f"without {name}: removed {', '.join(str(p.relative_to(root)) for p in removed)}", flush=True)
         launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/ddp.yaml"]
         steps = {
@@ -84,8 +86,11 @@ def check(name: str) -> int:
         if any(path.is_relative_to(root / "src") for path in removed):  # the loop's code changed: N processes too
             two = [*launch, "--num_processes", "2", "train.py", *SHORT_RUN, "--output_dir", "runs/two"]
             steps["a 2-process launch"] = two
+        if tests != "none":
+            selection = ["-m", "not slow"] if tests == "fast" else []
+            steps[f"the remaining tests ({tests})"] = [sys.executable, "-m", "pytest", "-q", "-x", *selection]
         for what, command in steps.items():
-            result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+            result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=3600)
             left = [flag for flag in flags if what.endswith("--help") and re.search(rf"{flag}(?!\w)", result.stdout)]
             if result.returncode != 0 or left:
                 print(f"without {name}: {what} failed (exit {result.returncode}; flags left: {left})\n"
@@ -97,18 +102,22 @@ def check(name: str) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("name", nargs="?", help="a feature of features.yaml")
-    parser.add_argument("--check", action="store_true", help="prove in a copy that removing it is safe")
+    parser.add_argument("names", nargs="*", metavar="NAME", help="features of features.yaml")
+    parser.add_argument("--all", action="store_true", help="every feature")
+    parser.add_argument("--check", action="store_true", help="prove in a copy that removing them is safe")
+    parser.add_argument("--tests", choices=["none", "fast", "all"], default="none", help="--check: run these too")
     parser.add_argument("--list", action="store_true", help="list the features")
     args = parser.parse_args()
-    if args.list or not args.name:
+    names = list(manifest()) if args.all else args.names
+    if args.list or not names:
         for name, feature in manifest().items():
             print(f"{name:16} {feature['help']}")
         return 0
     if args.check:
-        return check(args.name)
-    for path in remove(args.name, REPO):
-        print(f"removed {path.relative_to(REPO)}")
+        return check(names, args.tests)
+    for name in names:
+        for path in remove(name, REPO):
+            print(f"removed {path.relative_to(REPO)}")
     return 0
 
 

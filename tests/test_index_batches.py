@@ -11,9 +11,9 @@ from torch.utils.data import DataLoader, Subset, default_collate
 from src.cli import resolve
 from src.config import TrainConfig
 from src.data import LoaderBatches
-from src.features.gpt.causal_lm import TokenBlocks
 from src.index_batches import EpochOrder, IndexBatches, gatherable, known_sequence
 from src.tasks import build_task
+from tests.helpers import needs
 
 
 @pytest.fixture(scope="module")
@@ -80,14 +80,22 @@ def test_an_epoch_order_not_known_or_not_checked_is_drawn_from_the_batch_sampler
             assert torch.equal(got, torch.tensor([i for batch in loader.batch_sampler for i in batch]))
 
 
-def test_subsets_and_token_blocks_gather_what_default_collate_stacks(digits):
-    subset = Subset(digits, range(300))  # --max_train_samples
-    blocks = TokenBlocks(torch.randint(0, 256, (40, 9), dtype=torch.uint8))
+def test_subsets_gather_what_default_collate_stacks(digits):
+    assert_gathers_as_collated(Subset(digits, range(300)))  # --max_train_samples
+
+
+@needs("gpt")
+def test_token_blocks_gather_what_default_collate_stacks():
+    from src.features.gpt.causal_lm import TokenBlocks
+
+    assert_gathers_as_collated(TokenBlocks(torch.randint(0, 256, (40, 9), dtype=torch.uint8)))
+
+
+def assert_gathers_as_collated(dataset):
     indices = torch.tensor([5, 0, 17, 5, 31])
-    for dataset in (subset, blocks):
-        expected = default_collate([dataset[i] for i in indices.tolist()])
-        got = gatherable(dataset).gather(indices)
-        assert all(torch.equal(g, e) and g.is_contiguous() for g, e in zip(got, expected, strict=True))
+    expected = default_collate([dataset[i] for i in indices.tolist()])
+    got = gatherable(dataset).gather(indices)
+    assert all(torch.equal(g, e) and g.is_contiguous() for g, e in zip(got, expected, strict=True))
 
 
 def test_samples_fetched_one_by_one_are_not_gathered(digits):

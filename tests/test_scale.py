@@ -16,6 +16,7 @@ from tests.conftest import (
     run_with_hook,
     series,
 )
+from tests.helpers import needs
 
 LAUNCH_TWICE = """
 import sys
@@ -38,6 +39,7 @@ def test_notebook_launcher_forms_a_two_process_group_and_can_rerun(tmp_path):
 
 
 @pytest.mark.slow
+@needs("notebook")
 def test_the_notebook_runs(tmp_path):
     notebook = json.loads((REPO / "notebooks" / "train_in_notebook.ipynb").read_text())
     code = "\n\n".join("".join(cell["source"]) for cell in notebook["cells"] if cell["cell_type"] == "code")

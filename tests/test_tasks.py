@@ -13,12 +13,13 @@ from src.cli import parse_config, resolve
 from src.config import TrainConfig, save_config
 from src.data import build_dataloaders, check_first_batch
 from src.errors import EXIT_TASK_FAILED, LaunchError, TaskFailed, UsageError, describe
-from src.features.gpt.causal_lm import CausalLM
 from src.run_dir import trained_any_step
 from src.tasks import BUILT_IN, build_task, task_class, task_name
 from src.tasks.base import Task, task_errors
 from src.tasks.digits import Digits
+from src.tasks.tabular import Tabular
 from tests.conftest import QUICK, REPO, assert_ok, launch_command, read_metrics, run_command, run_train, run_with_hook
+from tests.helpers import needs
 
 
 def digits_only(task: str) -> set[str]:
@@ -53,13 +54,13 @@ class Second(Task):
 
 
 def test_task_names_resolve_to_classes(task_module):
-    assert task_class("digits") is Digits and task_class("src.features.gpt.causal_lm") is CausalLM
-    assert task_class("src.features.gpt.causal_lm.CausalLM") is CausalLM
+    assert task_class("digits") is Digits and task_class("src.tasks.tabular") is Tabular
+    assert task_class("src.tasks.tabular.Tabular") is Tabular
     module = task_module("two_tasks", TWO_TASKS)
     assert task_class(f"{module}.Second").__name__ == "Second"
     with pytest.raises(UsageError, match="exactly one Task subclass .*two_tasks.First, two_tasks.Second"):
         task_class(module)
-    with pytest.raises(UsageError, match="unknown --task 'nope'; use one of digits, tabular, causal_lm"):
+    with pytest.raises(UsageError, match="unknown --task 'nope'; use one of digits, tabular"):
         task_class("nope")
     with pytest.raises(UsageError, match="has no Task subclass 'Third'"):
         task_class(f"{module}.Third")
@@ -72,19 +73,18 @@ def test_task_names_resolve_to_classes(task_module):
 
 def test_task_options_are_flags_yaml_keys_and_saved_flat(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("task: causal_lm\nn_layer: 3\n")
-    config = parse_config(["--config", str(path), "--n_embd", "64", "--n_head", "2"])
-    assert config.task_args["n_layer"] == 3 and config.task_args["n_embd"] == 64
-    assert config.output_dir == "runs/causal_lm"  # the default follows the task
-    assert config.data_files == CausalLM.default_data_files
+    path.write_text("task: tabular\nnum_layers: 3\n")
+    config = parse_config(["--config", str(path), "--hidden_size", "16", "--data_files", "{train: a.csv, eval: b.csv}"])
+    assert config.task_args["num_layers"] == 3 and config.task_args["hidden_size"] == 16
+    assert config.output_dir == "runs/tabular"  # the default follows the task
     save_config(config, tmp_path / "config.yaml")
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
-    assert saved["n_layer"] == 3 and "task_args" not in saved
-    assert not digits_only("causal_lm") & set(saved), "a causal_lm config holds digits-only settings"
+    assert saved["num_layers"] == 3 and "task_args" not in saved
+    assert not digits_only("tabular") & set(saved), "a tabular config holds digits-only settings"
     assert parse_config(["--config", str(tmp_path / "config.yaml")]) == config  # the saved file runs the same
 
 
-@pytest.mark.parametrize("task", ["tabular", "causal_lm"])
+@pytest.mark.parametrize("task", ["tabular", pytest.param("causal_lm", marks=needs("gpt"))])
 def test_other_tasks_configs_hold_no_digits_settings(tmp_path, task):
     config = resolve(TrainConfig(task=task, data_files={"train": "x.csv", "eval": "y.csv"}))
     save_config(config, tmp_path / "config.yaml")
@@ -95,11 +95,11 @@ def test_other_tasks_configs_hold_no_digits_settings(tmp_path, task):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--task", "causal_lm", "--norm", "batch"], "--norm is an option of --task digits, not of --task causal_lm"),
+        (["--task", "tabular", "--norm", "batch"], "--norm is an option of --task digits, not of --task tabular"),
         (["--nrom", "batch"], "did you mean --norm?"),
-        (["--task", "causal_lm", "--n_layers", "2"], "did you mean --n_layer?"),
+        (["--task", "tabular", "--num_layer", "2"], "did you mean --num_layers?"),
         (["--norm", "layer"], "norm"),
-        (["--task", "causal_lm", "--n_embd", "100", "--n_head", "3"], "n_embd 100 must be divisible by n_head 3"),
+        (["--task", "tabular", "--data_files", "{train: a.csv}", "--hidden_size", "0"], "--hidden_size must be > 0"),
     ],
 )
 def test_bad_task_options_are_one_line_usage_errors(argv, message):
@@ -109,16 +109,16 @@ def test_bad_task_options_are_one_line_usage_errors(argv, message):
 
 
 def test_python_callers_get_the_same_checks():
-    with pytest.raises(UsageError, match="did you mean n_layer"):
-        resolve(TrainConfig(task="causal_lm", task_args={"n_layers": 2}))
+    with pytest.raises(UsageError, match="did you mean num_layers"):
+        resolve(TrainConfig(task="tabular", task_args={"num_layer": 2}))
     assert build_task(resolve(TrainConfig(task_args={"norm": "none"}))).options.norm == "none"
 
 
 def test_help_lists_the_tasks_options(capsys):
     with pytest.raises(SystemExit):
-        parse_config(["--task", "causal_lm", "--help"])
+        parse_config(["--task", "tabular", "--help"])
     shown = capsys.readouterr().out
-    assert "options of --task causal_lm" in shown and "--block_size" in shown and "context length" in shown
+    assert "options of --task tabular" in shown and "--num_layers" in shown and "hidden layers" in shown
     assert "--learning_rate" in shown and "--norm" not in shown
 
 
@@ -271,6 +271,7 @@ def test_task_failure_exits_70_and_the_same_command_then_runs(tmp_path):
     out = tmp_path / "run"
     broken = """
 from src.tasks.digits import Digits
+from src.tasks.tabular import Tabular
 def loss(self, model, batch):
     inputs, labels = batch
     return model(inputs.flatten(1)).sum()
