@@ -31,7 +31,7 @@ class Tabular(ClassificationTask):
 
         def __post_init__(self):
             for name in ("hidden_size", "num_layers", "num_labels"):
-                if (getattr(self, name) or 1) <= 0:
+                if getattr(self, name) is not None and getattr(self, name) <= 0:  # num_labels may be None
                     raise UsageError(f"--{name} must be > 0 (got {getattr(self, name)})")
 
     def build_datasets(self) -> tuple[TensorDataset, TensorDataset]:
