@@ -19,6 +19,7 @@ from torch import nn
 from src.config import TrainConfig, resolve_global_batch
 from src.errors import UsageError, let_threads_settle
 from src.fast_path import keep_freed_host_memory
+from src.preemption import watch_launcher
 from src.strategy import accelerator_options, check_launch, check_strategy, enable_fsdp_on_cpu, partial_state_options
 from src.sync_batchnorm import convert_cpu_sync_batchnorm
 
@@ -33,6 +34,7 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
     from accelerate import Accelerator, DataLoaderConfiguration, PartialState
     from accelerate.utils import GradientAccumulationPlugin
 
+    watch_launcher()  # a rank never outlives its launcher (src/preemption.py)
     use_cpu = not has_accelerator()
     check_launch(use_cpu, config.mixed_precision, config.max_grad_norm)
     if use_cpu:

@@ -8,6 +8,7 @@
 | 70 | the task's code failed on a batch: the `error:` line names the hook and the batch's structure |
 | 74 | a checkpoint could not be written (disk full, quota) or uploaded (--output_mirror): the previous are intact |
 | 75 | preempted (SIGTERM/SIGUSR1): a checkpoint was saved; run the same command to resume (requeue) |
+| 129 | the launcher died: each process stopped (after a preemption checkpoint where one was reached in seconds) |
 | 130 | interrupted (Ctrl-C) |
 
 `--debug true` or TRAIN_DEBUG=1 shows the traceback instead.
@@ -23,6 +24,7 @@ EXIT_DIVERGED = 65  # EX_DATAERR from sysexits.h
 EXIT_TASK_FAILED = 70  # EX_SOFTWARE
 EXIT_WRITE_FAILED = 74  # EX_IOERR
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "temporary failure, try again"
+EXIT_LAUNCHER_GONE = 129  # 128 + SIGHUP, as a process whose terminal hung up (src/preemption.py)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 
 
