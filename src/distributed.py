@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from src.config import TrainConfig, resolve_global_batch
-from src.errors import UsageError, let_threads_settle
+from src.errors import UsageError, let_threads_settle, say
 from src.fast_path import keep_freed_host_memory
 from src.preemption import watch_launcher
 from src.strategy import accelerator_options, check_launch, check_strategy, enable_fsdp_on_cpu, partial_state_options
@@ -39,6 +39,7 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
     check_launch(use_cpu, config.mixed_precision, config.max_grad_norm)
     if use_cpu:
         keep_freed_host_memory()
+        warn_if_more_processes_than_cores()
     state = PartialState(**partial_state_options(use_cpu))  # forms the process group; its size fixes accumulation
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched != state.num_processes:
@@ -77,6 +78,21 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
         enable_fsdp_on_cpu(accelerator, strategy_options["fsdp_plugin"])
     check_strategy(accelerator, config)
     return accelerator
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def warn_if_more_processes_than_cores() -> None:
+    """CPU processes beyond the cores share them: the run is slower than with fewer, not wrong. Said once per node,
+    before anything else can fail (a global batch they do not divide, say)."""
+    processes, cores = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), usable_cores()
+    if processes > cores and os.environ.get("LOCAL_RANK", "0") == "0":
+        say(
+            f"warning: {processes} processes on {cores} CPU cores: they take turns, so this trains slower than "
+            f"{cores} processes would; launch with --num_processes {cores} (the global batch stays the same)"
+        )
 
 
 def summed_loss_scale(accelerator, task, window: list) -> torch.Tensor:
