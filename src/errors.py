@@ -28,7 +28,8 @@ EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "temporary failure, try again"
 EXIT_LAUNCHER_GONE = 129  # 128 + SIGHUP, as a process whose terminal hung up (src/preemption.py)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 # the codes of a run that said why in its one line (not 1, an unexpected failure's, nor 129: no one reads that one)
-DOCUMENTED_EXIT_CODES = (EXIT_USAGE, EXIT_DIVERGED, EXIT_TASK_FAILED, EXIT_WRITE_FAILED, EXIT_PREEMPTED, EXIT_INTERRUPTED)
+DOCUMENTED_EXIT_CODES = (EXIT_USAGE, EXIT_DIVERGED, EXIT_TASK_FAILED, EXIT_WRITE_FAILED, EXIT_PREEMPTED)
+DOCUMENTED_EXIT_CODES += (EXIT_INTERRUPTED,)
 
 
 class RunStopped(Exception):
@@ -96,7 +97,8 @@ def first_to_say(line: str) -> bool:
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not error_file:
         return True
-    claim = os.path.join(os.path.dirname(os.path.dirname(error_file)), "said-" + hashlib.sha1(line.encode()).hexdigest())
+    attempt = os.path.dirname(os.path.dirname(error_file))
+    claim = os.path.join(attempt, "said-" + hashlib.sha1(line.encode()).hexdigest())
     try:
         os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
