@@ -126,6 +126,8 @@ def sync_batchnorm(model: nn.Module, accelerator) -> nn.Module:
     """BatchNorm statistics over the whole global micro-batch on N processes: nn.SyncBatchNorm on CUDA,
     src/sync_batchnorm.py's CPUSyncBatchNorm on CPU processes (torch's is CUDA-only)."""
     has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    if has_batchnorm and accelerator.gradient_accumulation_steps > 1:
+        warn_batchnorm_under_accumulation(accelerator.gradient_accumulation_steps, accelerator.num_processes)
     if not has_batchnorm or accelerator.num_processes == 1:
         return model
     if accelerator.device.type == "cuda":
@@ -139,6 +141,20 @@ def sync_batchnorm(model: nn.Module, accelerator) -> nn.Module:
         accelerator.num_processes,
     )
     return model
+
+
+def warn_batchnorm_under_accumulation(accumulation: int, processes: int) -> None:
+    """BatchNorm normalises each micro-batch by its own statistics (synchronised over the processes: per-device batch x
+    processes samples), so how the global batch is cut changes the training, from the first step: 1 process x 64 and
+    2 processes x 32 agree, 1 x 32 accumulated twice does not (docs/how_it_works.md)."""
+    logger.warning(
+        "the model has BatchNorm and each optimiser step accumulates %d micro-batches: its statistics are those of one "
+        "micro-batch, so another process count or per-device batch trains differently; use a per-device batch %d "
+        "times as large (--global_batch_size / %d processes: no accumulation), or GroupNorm (digits: --norm group)",
+        accumulation,
+        accumulation,
+        processes,
+    )
 
 
 def end_training(accelerator) -> None:
