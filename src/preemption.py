@@ -28,7 +28,7 @@ class LauncherWatch:
     """
 
     POLL_S = 0.5
-    GRACE_S = 5.0  # for the preemption checkpoint: the next run's start-up takes longer than this
+    GRACE_S = 5.0  # for the preemption checkpoint; a new launch on the folder is still importing torch by then
 
     def __init__(self, launcher: int):
         self.launcher = launcher
