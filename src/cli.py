@@ -20,7 +20,14 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 from src.config import TrainConfig, field_help
 from src.errors import UsageError, one_line
 from src.features import option_classes
+from src.run_dir import CHECKPOINTS_DIR, CONFIG_FILE, MODEL_DIR, STATE_FILE
 from src.tasks import BUILT_IN, parse_task_options, task_class, task_name
+
+# What an eval-only or predict command takes from the run whose model it evaluates, where it does not say: what the
+# model is (the task and the task's options) and what the run evaluated it on, and how.
+FROM_THE_RUN = ("task", "dataset_name", "dataset_config_name", "data_files", "train_split", "eval_split", "test_split")
+FROM_THE_RUN += ("id_column", "max_eval_samples", "max_predict_samples", "per_device_eval_batch_size", "metrics")
+FROM_THE_RUN += ("mixed_precision", "seed")
 
 
 def parse_config(argv: "list[str] | TrainConfig | None") -> TrainConfig:
@@ -33,9 +40,14 @@ def parse_config(argv: "list[str] | TrainConfig | None") -> TrainConfig:
     if isinstance(argv, TrainConfig):
         return resolve(argv)
     argv = sys.argv[1:] if argv is None else argv
-    name = find_task_name(argv)
+    run, run_config = run_to_evaluate(argv)
+    name = find_task_name(argv, default=run_config.get("task", TrainConfig.task))
     cls = task_class(name)
     parser = build_parser(name, cls)
+    if run is not None:  # eval-only or predict from a run: what it does not say, the run's config.yaml says
+        option_names = {f.name for f in dataclasses.fields(cls.Options)} if run_config.get("task") == name else set()
+        keys = {*FROM_THE_RUN, *option_names}
+        parser.set_defaults({"output_dir": str(run), **{k: v for k, v in run_config.items() if k in keys}})
     try:
         namespace = parser.parse_args(argv)
     except Exception as err:  # jsonargparse reports every parse problem as some exception with a message
@@ -46,7 +58,87 @@ def parse_config(argv: "list[str] | TrainConfig | None") -> TrainConfig:
     option_names = {f.name for f in dataclasses.fields(cls.Options)}
     task_args = {k: values.pop(k) for k in option_names}
     feature_args = {f.name: values.pop(f.name) for options in option_classes() for f in dataclasses.fields(options)}
-    return resolve(TrainConfig(**values, task_args=task_args, feature_args=feature_args))
+    return own_run_model(argv, resolve(TrainConfig(**values, task_args=task_args, feature_args=feature_args)))
+
+
+def given(argv: list[str], name: str) -> str | None:
+    """The last `--name X` / `--name=X` on the command line."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == f"--{name}" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(f"--{name}="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def config_files(argv: list[str]) -> list[tuple[Path, dict]]:
+    """The `--config` files of the command line that exist and hold a YAML mapping, in order (the parser reports
+    the others)."""
+    files = []
+    for i, arg in enumerate(argv):
+        value = argv[i + 1] if i + 1 < len(argv) else None
+        if arg.startswith("--config="):
+            arg, value = "--config", arg.split("=", 1)[1]
+        if arg == "--config" and value and Path(value).is_file():
+            try:
+                loaded = yaml.safe_load(Path(value).read_text())
+            except yaml.YAMLError:
+                continue
+            if isinstance(loaded, dict):
+                files.append((Path(value), loaded))
+    return files
+
+
+def setting(argv: list[str], name: str):
+    """`--name` on the command line, else the last `--config` file's `name`, else None."""
+    value = given(argv, name)
+    if value is not None:
+        return value
+    for _, loaded in config_files(argv):
+        value = loaded.get(name, value)
+    return value
+
+
+def run_to_evaluate(argv: list[str]) -> tuple[Path | None, dict]:
+    """(the run folder, its config.yaml) whose model an eval-only or predict command evaluates: --model_name_or_path
+    a run, its model/ or one of its checkpoints, else --output_dir a run; (None, {}) otherwise."""
+    if str(setting(argv, "do_train")).lower() not in ("false", "0", "no"):
+        return None, {}
+    model = setting(argv, "model_name_or_path") or setting(argv, "output_dir")
+    if not model:
+        return None, {}
+    path = Path(model)
+    if (path / STATE_FILE).is_file() and (path / CONFIG_FILE).is_file():  # a checkpoint, with its run's config
+        run, config_file = path.parent.parent, path / CONFIG_FILE
+    elif path.name == MODEL_DIR and (path.parent / CONFIG_FILE).is_file():
+        run, config_file = path.parent, path.parent / CONFIG_FILE
+    elif (path / CONFIG_FILE).is_file():
+        run, config_file = path, path / CONFIG_FILE
+    else:
+        return None, {}
+    try:
+        loaded = yaml.safe_load(config_file.read_text())
+    except yaml.YAMLError:
+        return None, {}
+    return (run, loaded) if isinstance(loaded, dict) else (None, {})
+
+
+def own_run_model(argv: list[str], config: TrainConfig) -> TrainConfig:
+    """`--config runs/x/config.yaml --do_train false`: that file names the model the run started from (or none); what
+    is evaluated is the run's model/, wherever the results go (--output_dir), unless --model_name_or_path says."""
+    runs = [path.parent for path, _ in config_files(argv) if path.name == CONFIG_FILE]
+    run = runs[-1] if runs else None
+    if config.do_train or given(argv, "model_name_or_path") or run is None:
+        return config
+    if not ((run / MODEL_DIR).is_dir() or (run / CHECKPOINTS_DIR).is_dir()):
+        return config  # a config.yaml of one's own, not a run's
+    if not (run / MODEL_DIR).is_dir():
+        raise UsageError(
+            f"--config {run / CONFIG_FILE} is the config of the run {run}, which has no {MODEL_DIR}/ yet; evaluate one "
+            f"of its checkpoints with --model_name_or_path {run / CHECKPOINTS_DIR}/step_<N>"
+        )
+    return dataclasses.replace(config, model_name_or_path=str(run / MODEL_DIR))
 
 
 def build_parser(name: str, task_cls):
@@ -83,26 +175,11 @@ def build_parser(name: str, task_cls):
     return parser
 
 
-def find_task_name(argv: list[str]) -> str:
-    """`--task X` / `--task=X` on the command line, else the last `--config` file naming a task, else digits."""
-    name = TrainConfig.task
-    for i, arg in enumerate(argv):
-        value = argv[i + 1] if i + 1 < len(argv) else None
-        if arg.startswith("--config="):
-            arg, value = "--config", arg.split("=", 1)[1]
-        if arg == "--config" and value and Path(value).is_file():
-            try:
-                loaded = yaml.safe_load(Path(value).read_text())
-            except yaml.YAMLError:
-                continue  # the parser reports it
-            if isinstance(loaded, dict) and isinstance(loaded.get("task"), str):
-                name = loaded["task"]
-    for i, arg in enumerate(argv):
-        if arg == "--task" and i + 1 < len(argv):
-            name = argv[i + 1]
-        elif arg.startswith("--task="):
-            name = arg.split("=", 1)[1]
-    return name
+def find_task_name(argv: list[str], default: str = TrainConfig.task) -> str:
+    """`--task X` / `--task=X` on the command line, else the last `--config` file naming a task, else `default`
+    (digits, or the task of the run an eval-only command evaluates)."""
+    name = setting(argv, "task")
+    return name if isinstance(name, str) else default
 
 
 def suggestion(err: Exception, parser, task_cls, name: str) -> str:

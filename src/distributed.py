@@ -18,7 +18,8 @@ from torch import nn
 
 from src.accelerator import Accelerator, keep_freed_host_memory
 from src.config import TrainConfig, resolve_global_batch
-from src.errors import UsageError, let_threads_settle
+from src.errors import UsageError, let_threads_settle, say
+from src.preemption import watch_launcher
 from src.strategy import accelerator_options, check_launch, check_strategy, enable_fsdp_on_cpu, partial_state_options
 from src.sync_batchnorm import convert_cpu_sync_batchnorm
 
@@ -33,10 +34,12 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
     from accelerate import DataLoaderConfiguration, PartialState
     from accelerate.utils import GradientAccumulationPlugin
 
+    watch_launcher()  # a rank never outlives its launcher (src/preemption.py)
     use_cpu = not has_accelerator()
     check_launch(use_cpu, config.mixed_precision, config.max_grad_norm)
     if use_cpu:
         keep_freed_host_memory()
+        warn_if_more_processes_than_cores()
     state = PartialState(**partial_state_options(use_cpu))  # forms the process group; its size fixes accumulation
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched != state.num_processes:
@@ -77,6 +80,21 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
     return accelerator
 
 
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def warn_if_more_processes_than_cores() -> None:
+    """CPU processes beyond the cores share them: the run is slower than with fewer, not wrong. Said once per node,
+    before anything else can fail (a global batch they do not divide, say)."""
+    processes, cores = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), usable_cores()
+    if processes > cores and os.environ.get("LOCAL_RANK", "0") == "0":
+        say(
+            f"warning: {processes} processes on {cores} CPU cores: they take turns, so this trains slower than "
+            f"{cores} processes would; launch with --num_processes {cores} (the global batch stays the same)"
+        )
+
+
 def summed_loss_scale(accelerator, task, window: list) -> torch.Tensor:
     """For a task whose loss() is a sum: processes x accumulation / the terms of the whole global batch, counted
     over the accumulation window's micro-batches and all-reduced (an exact integer sum first). Scaled by it, the
@@ -108,6 +126,8 @@ def sync_batchnorm(model: nn.Module, accelerator) -> nn.Module:
     """BatchNorm statistics over the whole global micro-batch on N processes: nn.SyncBatchNorm on CUDA,
     src/sync_batchnorm.py's CPUSyncBatchNorm on CPU processes (torch's is CUDA-only)."""
     has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    if has_batchnorm and accelerator.gradient_accumulation_steps > 1:
+        warn_batchnorm_under_accumulation(accelerator.gradient_accumulation_steps, accelerator.num_processes)
     if not has_batchnorm or accelerator.num_processes == 1:
         return model
     if accelerator.device.type == "cuda":
@@ -121,6 +141,20 @@ def sync_batchnorm(model: nn.Module, accelerator) -> nn.Module:
         accelerator.num_processes,
     )
     return model
+
+
+def warn_batchnorm_under_accumulation(accumulation: int, processes: int) -> None:
+    """BatchNorm normalises each micro-batch by its own statistics (synchronised over the processes: per-device batch x
+    processes samples), so how the global batch is cut changes the training, from the first step: 1 process x 64 and
+    2 processes x 32 agree, 1 x 32 accumulated twice does not (docs/how_it_works.md)."""
+    logger.warning(
+        "the model has BatchNorm and each optimiser step accumulates %d micro-batches: its statistics are those of one "
+        "micro-batch, so another process count or per-device batch trains differently; use a per-device batch %d "
+        "times as large (--global_batch_size / %d processes: no accumulation), or GroupNorm (digits: --norm group)",
+        accumulation,
+        accumulation,
+        processes,
+    )
 
 
 def end_training(accelerator) -> None:

@@ -8,12 +8,14 @@
 | 70 | the task's code failed on a batch: the `error:` line names the hook and the batch's structure |
 | 74 | a checkpoint could not be written (disk full, quota) or uploaded (--output_mirror): the previous are intact |
 | 75 | preempted (SIGTERM/SIGUSR1): a checkpoint was saved; run the same command to resume (requeue) |
+| 129 | the launcher died: each process stopped (after a preemption checkpoint where one was reached in seconds) |
 | 130 | interrupted (Ctrl-C) |
 
 `--debug true` or TRAIN_DEBUG=1 shows the traceback instead.
 """
 
 import functools
+import hashlib
 import os
 import sys
 import time
@@ -23,7 +25,11 @@ EXIT_DIVERGED = 65  # EX_DATAERR from sysexits.h
 EXIT_TASK_FAILED = 70  # EX_SOFTWARE
 EXIT_WRITE_FAILED = 74  # EX_IOERR
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "temporary failure, try again"
+EXIT_LAUNCHER_GONE = 129  # 128 + SIGHUP, as a process whose terminal hung up (src/preemption.py)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
+# the codes of a run that said why in its one line (not 1, an unexpected failure's, nor 129: no one reads that one)
+DOCUMENTED_EXIT_CODES = (EXIT_USAGE, EXIT_DIVERGED, EXIT_TASK_FAILED, EXIT_WRITE_FAILED, EXIT_PREEMPTED)
+DOCUMENTED_EXIT_CODES += (EXIT_INTERRUPTED,)
 
 
 class RunStopped(Exception):
@@ -82,6 +88,26 @@ def say(line: str) -> None:
     sys.stderr.flush()
 
 
+def first_to_say(line: str) -> bool:
+    """Whether this process is the first of its launch to say `line`: an error every rank finds (a bad config, a
+    global batch the process count does not divide) is said once, by whichever rank gets there first. The claim is a
+    file created exclusively in torch elastic's folder for this launch attempt (TORCHELASTIC_ERROR_FILE is
+    <folder>/<rank>/error.json), which the ranks of a node share and no other launch does. Without it (one process,
+    another launcher) every process says its line."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file:
+        return True
+    attempt = os.path.dirname(os.path.dirname(error_file))
+    claim = os.path.join(attempt, "said-" + hashlib.sha1(line.encode()).hexdigest())
+    try:
+        os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    except OSError:  # no such folder: say it
+        pass
+    return True
+
+
 def let_threads_settle(num_processes: int | None = None) -> None:
     """On N processes, before the run's model and process group are freed: a moment for gloo's threads, see
     src/distributed.py: let_gloo_settle. `num_processes`: the accelerator's (default: torchrun's WORLD_SIZE)."""
@@ -99,8 +125,9 @@ def command_line(fn):
         except RunStopped as err:
             if debug_requested() and not isinstance(err, TrainingPreempted):
                 raise
-            if is_main_process() or not err.main_process_only:
-                say(f"{err.prefix}: {err}")
+            line = f"{err.prefix}: {err}"
+            if (is_main_process() or not err.main_process_only) and first_to_say(line):
+                say(line)
             let_threads_settle()
             sys.exit(err.exit_code)
         except KeyboardInterrupt:

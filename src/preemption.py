@@ -1,10 +1,81 @@
 """Preemption: SIGTERM or SIGUSR1 (SLURM's warning before the time limit) becomes a checkpoint at a step boundary,
-agreed on by every process; the run then exits with EXIT_PREEMPTED and the same command resumes it."""
+agreed on by every process; the run then exits with EXIT_PREEMPTED and the same command resumes it. A launcher that
+dies (SIGKILL, the OOM killer) takes the same path: its processes never train on unsupervised (`watch_launcher`)."""
 
 import contextlib
+import os
 import signal
+import threading
+import time
 
 import torch
+
+from src.errors import EXIT_LAUNCHER_GONE, is_main_process, say
+
+
+class LauncherWatch:
+    """A thread that stops this process within seconds of its launcher's death.
+
+    torch elastic (`accelerate launch`, torchrun) starts each rank in a session of its own, so a launcher killed
+    with SIGKILL takes none of them along: they would train to the end, write model/ and upload it, beside a second
+    run that may meanwhile have started on the same folder, or wait forever in a collective for a rank that died.
+    The agent that started this rank is its parent; when the parent changes (the rank was re-parented), the launcher
+    is gone. Then the training loop, if it runs, is asked for a preemption checkpoint at its next step boundary
+    (`PreemptionSignals`), and at most GRACE_S later the process exits whatever it is doing (a rank stuck in a
+    collective, a checkpoint that takes longer: its temporary folder is removed by the next run). Polling the parent
+    rather than prctl(PR_SET_PDEATHSIG): that is Linux-only, fires when the *thread* that forked the rank exits, and
+    races with a parent that died before the rank set it.
+    """
+
+    POLL_S = 0.5
+    GRACE_S = 5.0  # for the preemption checkpoint; a new launch on the folder is still importing torch by then
+
+    def __init__(self, launcher: int):
+        self.launcher = launcher
+        self.gone = threading.Event()
+        self.listeners: list = []
+        threading.Thread(target=self.watch, name="launcher-watch", daemon=True).start()
+
+    def watch(self) -> None:
+        while os.getppid() == self.launcher:
+            time.sleep(self.POLL_S)
+        self.gone.set()
+        listeners = list(self.listeners)
+        if is_main_process():
+            with contextlib.suppress(OSError):  # the launcher's pipe may be gone with it
+                say(
+                    f"the launcher (pid {self.launcher}) exited: "
+                    + (f"saving a checkpoint, then stopping (at most {self.GRACE_S:g} s)" if listeners else "stopping")
+                )
+        for listener in listeners:
+            listener()
+        if listeners:
+            time.sleep(self.GRACE_S)
+        os._exit(EXIT_LAUNCHER_GONE)
+
+
+_watch: LauncherWatch | None = None
+
+
+def watch_launcher() -> None:
+    """In a rank that torch elastic started: stop when the launcher dies (LauncherWatch). Once per process."""
+    global _watch
+    if _watch is None and "TORCHELASTIC_RUN_ID" in os.environ and "WORLD_SIZE" in os.environ:
+        _watch = LauncherWatch(os.getppid())
+
+
+def on_launcher_exit(listener) -> None:
+    """Call `listener()` if the launcher dies (at once if it is gone already); `listener` may be removed again."""
+    if _watch is None:
+        return
+    _watch.listeners.append(listener)
+    if _watch.gone.is_set():
+        listener()
+
+
+def forget_launcher_exit(listener) -> None:
+    if _watch is not None and listener in _watch.listeners:
+        _watch.listeners.remove(listener)
 
 
 class PreemptionSignals:
@@ -15,7 +86,7 @@ class PreemptionSignals:
     steps earlier: every process sees the same sum at the same step and no step waits for the network or the GPU.
     On GPUs that is every step (the checkpoint comes one step after the signal). When the processes train on the CPU,
     gloo's background work takes cores from training (docs/resume.md), so they agree every 10 steps. One process
-    needs no agreement and no collective.
+    needs no agreement and no collective. The launcher's death (LauncherWatch) counts as a signal.
     """
 
     CPU_EVERY = 10
@@ -30,6 +101,7 @@ class PreemptionSignals:
             # ValueError outside the main thread (some notebook runners): then no handler, as before
             with contextlib.suppress(ValueError, AttributeError):
                 self.previous[name] = signal.signal(getattr(signal, name), self.handle)
+        on_launcher_exit(self.launcher_exited)
         if not self.alone:
             import torch.distributed as dist
 
@@ -39,6 +111,9 @@ class PreemptionSignals:
 
     def handle(self, signum, frame):
         self.received = signal.Signals(signum).name
+
+    def launcher_exited(self):
+        self.received = self.received or "launcher exited"
 
     def requested(self, step: int) -> bool:
         """Call once per step on every process; True on all of them at the same step once any was signalled."""
@@ -61,6 +136,7 @@ class PreemptionSignals:
 
     def __exit__(self, error_type, error, traceback):
         """Restore the handlers we replaced, also when training raised: a notebook's kernel keeps its own."""
+        forget_launcher_exit(self.launcher_exited)
         if error_type is None and not self.alone and self.pending is not None:
             self.pending.wait()  # the last all-reduce in flight (not after an error: a peer may be gone)
         for name, handler in self.previous.items():

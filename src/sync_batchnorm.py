@@ -2,8 +2,8 @@
 
 torch's `nn.SyncBatchNorm` runs on CUDA only (its forward refuses CPU tensors), so without this a BatchNorm model on
 N CPU processes normalises each process's slice of the batch on its own and trains differently from one process.
-`CPUSyncBatchNorm` all-reduces the per-channel sums over the process group with autograd
-(`torch.distributed.nn.functional.all_reduce`, whose backward all-reduces the gradients), which is what
+`CPUSyncBatchNorm` all-reduces the per-channel sums over the process group with autograd (`autograd_all_reduce`,
+whose backward all-reduces the gradients), which is what
 `nn.SyncBatchNorm` computes with its CUDA kernels. Evaluation uses the running statistics, as BatchNorm does.
 The state dict is BatchNorm's, so a saved model loads into the plain model.
 """
@@ -11,7 +11,22 @@ The state dict is BatchNorm's, so a saved model loads into the plain model.
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.nn.functional import all_reduce
+
+
+def autograd_all_reduce():
+    """A sum over the processes whose backward sums the gradients: torch's functional collective where torch has
+    registered its autograd formula (2.13 has, and deprecates `torch.distributed.nn.functional.all_reduce` for it
+    with a FutureWarning at every call), else that older function."""
+    import torch.distributed._functional_collectives as functional  # registers the formula, where torch has one
+
+    if torch._C._dispatch_has_kernel_for_dispatch_key("_c10d_functional::all_reduce", "Autograd"):
+        return lambda tensor: functional.all_reduce(tensor, "sum", dist.group.WORLD)
+    from torch.distributed.nn.functional import all_reduce
+
+    return all_reduce
+
+
+all_reduce = autograd_all_reduce()
 
 
 class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):

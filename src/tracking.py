@@ -31,10 +31,31 @@ def setup_logging(accelerator) -> None:
     logging.getLogger("accelerate.tracking").setLevel(logging.ERROR)  # "dropped a string" for setup/device etc.
     for name in ("botocore", "aiobotocore"):  # --output_mirror s3://: "Found credentials in ...", each client
         logging.getLogger(name).setLevel(logging.WARNING)
-    if not accelerator.is_main_process:
-        import warnings
+    quiet_library_noise(accelerator.is_main_process)
 
+
+# Warnings from inside the libraries that nothing in a run's config or code can change: where they are, and why.
+LIBRARY_NOISE = (
+    # DeepSpeed's ZeRO gathers and reduce-scatters with torch.distributed's old names, at every step
+    r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+    # PEFT's gradient-checkpointing check asks transformers 5 for its old name
+    r"`is_gradient_checkpointing` is deprecated",
+)
+
+
+def quiet_library_noise(main_process: bool) -> None:
+    """The one place that filters Python warnings: the libraries' known FutureWarnings never, any other once (the
+    first of each message: libraries that change the filters reset Python's own once-per-line memory, so DeepSpeed's
+    came at every step); on the other processes none (the main one shows them)."""
+    import warnings
+
+    if not main_process:
         warnings.filterwarnings("ignore")
+        return
+    for category in (FutureWarning, UserWarning):
+        warnings.filterwarnings("once", category=category)
+    for message in LIBRARY_NOISE:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
 
 
 class JsonlTracker(GeneralTracker):

@@ -1,13 +1,20 @@
 """Checkpoints and exact resume: a killed or preempted run continues as if nothing happened."""
 
 import json
+import os
+import signal
+import subprocess
+import time
 
 import pytest
 
 from src.errors import EXIT_PREEMPTED
 from tests.conftest import (
+    REPO,
+    WRAPPER,
     assert_ok,
     assert_processes,
+    command_env,
     launch_command,
     read_metrics,
     run_command,
@@ -94,6 +101,61 @@ def test_preemption_signal_on_one_process_saves_and_exits_75(tmp_path, signal_na
     state = json.loads((out / "checkpoints" / "step_5" / "trainer_state.json").read_text())
     assert state["step"] == 5 and state["preempted"] is True
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_5"] and not (out / "model").exists()
+
+
+def alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE  # a zombie has ended: only its exit status is left
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank_1", ["trains", "hangs"])
+def test_a_killed_launcher_takes_its_processes_along_through_a_preemption_checkpoint(tmp_path, rank_1):
+    """SIGKILL of `accelerate launch` (kill -9, the OOM killer): torch elastic started each rank in a session of its
+    own, so nothing signals them. They find their launcher gone, save a preemption checkpoint at the next step
+    boundary and exit; none is left 10 s later, and nothing (model/, eval results) is written after the checkpoint.
+    When the ranks can't agree (rank 1 hangs, rank 0 then waits in a collective), the deadline ends both, unsaved.
+    Real processes, not the tests' fork server: the launcher is `accelerate launch` and its ranks are its children."""
+    out, pids = tmp_path / "run", tmp_path / "pids"
+    pids.mkdir()
+    record = f"open(f'{pids}/{{os.environ[\"RANK\"]}}', 'w').write(f'{{os.getpid()}} {{os.getppid()}}')"
+    kill_launcher = "if step == 4 and os.environ['RANK'] == '0': os.kill(os.getppid(), signal.SIGKILL)"
+    if rank_1 == "hangs":
+        kill_launcher += "\n    if step == 4 and os.environ['RANK'] == '1': __import__('time').sleep(600)"
+    script = tmp_path / "wrapped_train.py"
+    script.write_text(WRAPPER.format(repo=str(REPO), hook=kill_launcher, extra=record))
+    command = [part if part != "train.py" else str(script) for part in launch_command(2)]
+    args = ["--max_steps", "100000", "--logging_steps", "1", "--save_steps", "0", "--eval_steps", "100000"]
+    with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:
+        launcher = subprocess.Popen(
+            [*command, *args, "--output_dir", str(out)], cwd=REPO, env=command_env(), stdin=subprocess.DEVNULL,
+            stdout=stdout, stderr=stderr,
+        )  # fmt: skip
+        assert launcher.wait(timeout=300) == -9
+    ranks = {int(pid): int(parent) for pid, parent in (path.read_text().split() for path in pids.iterdir())}
+    assert len(ranks) == 2 and set(ranks.values()) == {launcher.pid}  # the launcher was the ranks' parent
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [pid for pid in ranks if alive(pid)]
+    for pid in left:  # ours to clean up, then the failure
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"ranks {left} outlived their launcher by 10 s"
+    console = (tmp_path / "stderr").read_text()
+    assert f"the launcher (pid {launcher.pid}) exited" in console
+    if rank_1 == "hangs":
+        assert not (out / "checkpoints").exists() and not (out / "model").exists()
+        return
+    assert "preempted: checkpoint" in console
+    (saved,) = (out / "checkpoints").iterdir()
+    state = json.loads((saved / "trainer_state.json").read_text())
+    assert state["preempted"] is True and state["step"] >= 4
+    assert not (out / "model").exists() and not (out / "eval_results.json").exists()
+    assert max(row["step"] for row in read_metrics(out)) == state["step"]  # no step trained after it
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 A run that fails later says so the same way, with its own exit code (65 diverged, 74 checkpoint write failed)."""
 
 import math
+import re
 import sys
 
 import numpy as np
@@ -216,14 +217,51 @@ def test_broken_accelerate_config(tmp_path):
     ids=["missing data file", "eval split smaller than the processes"],
 )
 def test_bad_input_on_two_processes_stops_both(tmp_path, build_args, pattern):
-    """Both processes find the problem before any collective, say it and exit: none is left waiting for the other
-    (timeout=300 only guards against a hang; the launcher returns in seconds)."""
+    """Both processes find the problem before any collective and exit: none is left waiting for the other
+    (timeout=300 only guards against a hang; the launcher returns in seconds). The line they both would say comes
+    once (src/errors.py: first_to_say)."""
     launch = launch_command(2)
-    launch[-1:-1] = ["--monitor_interval", "3"]  # the launcher stops the others when one fails: let both say why
+    launch[-1:-1] = ["--monitor_interval", "3"]  # the launcher stops the others when one fails: let both find it
     result = run_command([*launch, *QUICK, "--output_dir", str(tmp_path / "run"), *build_args(tmp_path)], timeout=300)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 2 and all(pattern in line for line in errors)  # one line from each of the 2 processes
+    assert len(errors) == 1 and pattern in errors[0]
+    assert result.stderr.count("exitcode  : 2") == 2  # the launcher's report: both processes stopped with it
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_wrong_value_in_the_accelerate_config_is_one_line(tmp_path):
+    """accelerate's loader takes any YAML value; its launcher then fails with a 27-line ValueError."""
+    config = (REPO / "accelerate_configs" / "ddp.yaml").read_text().replace("num_processes: 2", "num_processes: two")
+    path = write(tmp_path, "ddp.yaml", config)
+    result = run_command([sys.executable, "scripts/launch.py", "--config_file", path, "train.py", *QUICK])
+    assert_error_line(result, rf"accelerate config {re.escape(path)}: num_processes is 'two'; .*num_processes: 2")
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["scripts/launch.py", "accelerate launch"])
+def test_more_processes_than_cores_warn_and_an_error_they_all_find_is_said_once(tmp_path, launcher):
+    """One process more than this machine has cores: a warning with the counts; the default global batch of 64 is
+    not divisible by 32 x that many, which every process finds: one line, and with scripts/launch.py the processes'
+    exit code 2 and nothing else (`accelerate launch` adds its ChildFailedError report and exits 1)."""
+    from src.distributed import usable_cores
+
+    processes = usable_cores() + 1
+    launch = launch_command(processes)
+    if launcher == "scripts/launch.py":
+        launch[1:3] = ["scripts/launch.py"]
+    result = run_command([*launch, *QUICK, "--output_dir", str(tmp_path / "run")], timeout=300)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        f"error: --global_batch_size 64 is not divisible by per-device batch 32 x {processes} processes = "
+        f"{32 * processes}; pick a multiple of {32 * processes} or change --per_device_train_batch_size"
+    ]
+    warning = f"warning: {processes} processes on {usable_cores()} CPU cores"
+    assert result.stderr.count(warning) == 1
+    if launcher == "scripts/launch.py":
+        assert result.returncode == EXIT_USAGE
+        assert len(result.stderr.strip().splitlines()) == 2, result.stderr  # the warning and the error, no more
     assert not (tmp_path / "run").exists()
 
 

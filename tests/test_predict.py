@@ -366,3 +366,40 @@ def test_eval_only_into_a_trained_run_evaluates_its_own_model_or_refuses(tmp_pat
     assert sorted(run.rglob("*")) == before
     fresh = parse_config(["--do_train", "false", "--output_dir", str(tmp_path / "new"), "--model_name_or_path", "x"])
     assert model_to_evaluate(fresh) is fresh  # a folder without a trained run: any model
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("stdlib_text")  # causal_lm's default data, data/stdlib
+def test_eval_only_from_a_run_takes_its_task_options_and_data_from_its_config(tmp_path):
+    """Neither --task nor the model's options: the run's config.yaml has them. The run folder, its model/, a
+    checkpoint, or the run's own config.yaml with another --output_dir: each evaluates the run's model to its eval."""
+    run = tmp_path / "run"
+    options = ["--n_layer", "1", "--n_embd", "32", "--max_train_tokens", "20000", "--max_eval_tokens", "5000"]
+    assert_ok(run_train("--task", "causal_lm", *options, "--max_steps", "6", "--output_dir", str(run)))
+    final = [row for row in read_metrics(run) if "eval/loss" in row][-1]
+    evaluations = {
+        "run": ["--model_name_or_path", str(run)],  # results into the run's folder
+        "model": ["--model_name_or_path", str(run / "model"), "--output_dir", str(tmp_path / "model")],
+        "checkpoint": ["--model_name_or_path", str(run / "checkpoints" / "step_6"),
+                       "--output_dir", str(tmp_path / "checkpoint")],
+        "config": ["--config", str(run / "config.yaml"), "--output_dir", str(tmp_path / "config")],
+    }  # fmt: skip
+    for name, args in evaluations.items():
+        assert_ok(run_train("--do_train", "false", *args))
+        results = eval_results(run if name == "run" else tmp_path / name)
+        assert results["eval/loss"] == final["eval/loss"], name
+        assert results["eval/num_samples"] == final["eval/num_samples"], name
+
+
+def test_a_runs_own_config_with_another_output_dir_evaluates_the_runs_model_or_refuses(tmp_path):
+    """`--config runs/x/config.yaml --do_train false --output_dir elsewhere`: that config names the model the run
+    started from; the run's model/ is what is evaluated, never the base model silently."""
+    run, base = tmp_path / "run", tmp_path / "base"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text(f"model_name_or_path: {base}\noutput_dir: {run}\n")
+    flags = ["--config", str(run / "config.yaml"), "--do_train", "false", "--output_dir", str(tmp_path / "eval")]
+    with pytest.raises(UsageError, match=re.escape(f"is the config of the run {run}, which has no model/ yet")):
+        parse_config(flags)
+    (run / "model").mkdir()
+    assert parse_config(flags).model_name_or_path == str(run / "model")
+    assert parse_config([*flags, "--model_name_or_path", str(base)]).model_name_or_path == str(base)  # as asked

@@ -25,7 +25,11 @@ def task_class(name: str) -> type[Task]:
     path = BUILT_IN.get(name, name)
     module = import_module(path) or import_module(path.rpartition(".")[0])
     if module is None:
-        raise UsageError(f"unknown --task {name!r}; use one of {', '.join(BUILT_IN)} or an importable module path")
+        close = difflib.get_close_matches(name, BUILT_IN, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise UsageError(
+            f"unknown --task {name!r}; {hint}use one of {', '.join(BUILT_IN)} or an importable module path"
+        )
     if module.__name__ != path:  # module.Class
         found = getattr(module, path.rpartition(".")[2], None)
         if not (inspect.isclass(found) and issubclass(found, Task)):

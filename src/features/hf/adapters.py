@@ -66,6 +66,8 @@ def add_adapter(model, options: AdapterOptions, task_type: str):
         lora_alpha=options.lora_alpha,
         lora_dropout=options.lora_dropout,
         target_modules=options.lora_target_modules,
+        # GPT-2's projections are transformers' Conv1D, weights stored transposed: PEFT would warn and set it itself
+        fan_in_fan_out=any(type(module).__name__ == "Conv1D" for module in model.modules()),
     )
     try:
         return peft.get_peft_model(model, config)
