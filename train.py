@@ -7,9 +7,10 @@
 
 The story, top to bottom: config -> accelerator -> task (data, model, metric) -> train loop (log, evaluate) -> save.
 What is trained is a task (src/tasks/: one class with its data, model, loss and metrics); the machinery around the
-loop lives in src/, one job per module (docs/how_it_works.md has the map), and the speed work behind one boundary,
-src/fast_path.py. Nothing here asks which process it runs on. Edit this loop freely: docs/customize.md
-says what must stay for 1 process and N processes to train the same.
+loop lives in src/, one job per module (docs/how_it_works.md has the map); optional features (src/features/) reach
+the loop through one seam, `features.installed()`. The loop speaks Accelerate's own calls (src/accelerator.py keeps
+them as cheap as plain torch's). Nothing here asks which process it runs on. Edit this loop freely:
+docs/customize.md says what must stay for 1 process and N processes to train the same.
 """
 
 import gc

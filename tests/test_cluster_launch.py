@@ -28,7 +28,7 @@ from tests.conftest import (
     series,
     signal_at,
 )
-from tests.helpers import assert_error_line
+from tests.helpers import assert_bash_blocks_run, assert_error_line
 
 PYTORCHJOB = REPO / "deploy" / "kubernetes" / "pytorchjob.yaml"
 SKYPILOT = REPO / "deploy" / "skypilot" / "train.yaml"
@@ -52,8 +52,8 @@ def pod_command() -> list[str]:
 
 
 def docs_yaml(heading: str) -> dict:
-    """The first ```yaml block of docs/launching.md's `## <heading>` section."""
-    text = (REPO / "docs" / "launching.md").read_text()
+    """The first ```yaml block of docs/kubernetes.md's `## <heading>` section."""
+    text = (REPO / "docs" / "kubernetes.md").read_text()
     section = re.split(r"^## ", text.split(f"\n## {heading}\n", 1)[1], flags=re.MULTILINE)[0]
     return yaml.safe_load(re.search(r"^```yaml\n(.*?)^```", section, flags=re.DOTALL | re.MULTILINE).group(1))
 
@@ -254,3 +254,7 @@ def test_two_kubeflow_pods_killed_and_restarted_train_as_one_process(kubeflow_po
 @pytest.mark.slow
 def test_two_skypilot_nodes_train_as_one_process(skypilot_nodes, one_process):
     assert_trained_as_one_process(skypilot_nodes, one_process)
+
+
+def test_the_docs_page_commands_are_run_here():
+    assert_bash_blocks_run("docs/kubernetes.md")

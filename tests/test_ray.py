@@ -19,7 +19,7 @@ from tests.conftest import (
     run_command,
     run_train,
 )
-from tests.helpers import assert_error_line
+from tests.helpers import assert_bash_blocks_run, assert_error_line
 
 pytest.importorskip("ray.train")
 
@@ -59,7 +59,7 @@ ray_train.main(worker_setup=kill_rank_1_once)
 
 
 def docs_command() -> list[str]:
-    (command,) = section_commands("Ray", page="docs/launching.md")
+    (command,) = section_commands("Ray", page="docs/ray.md")
     words = shlex.split(command)
     assert words[:2] == ["python", "scripts/ray_train.py"], command
     return [sys.executable, *words[1:]]
@@ -151,3 +151,7 @@ def test_bad_input_is_one_line_before_ray_starts(tmp_path, flags, pattern):
     result = run_command([sys.executable, "scripts/ray_train.py", *flags, "--output_dir", str(out)])
     assert_error_line(result, pattern)
     assert not out.exists()
+
+
+def test_the_docs_page_commands_are_run_here():
+    assert_bash_blocks_run("docs/ray.md")

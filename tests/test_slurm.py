@@ -11,7 +11,7 @@ import pytest
 
 from scripts.readme_commands import section_commands
 from tests.conftest import REPO
-from tests.helpers import resolve_launch
+from tests.helpers import assert_bash_blocks_run, resolve_launch
 
 SLURM = REPO / "scripts" / "slurm"
 SBATCH_SCRIPTS = sorted(SLURM.glob("*.sbatch"))
@@ -254,7 +254,7 @@ def test_no_requeue_for_a_preemption_checkpoint_older_than_this_launch(requeue, 
 def test_slurm_commands_run_under_a_fake_slurm(slurm):
     """docs/launching.md's sbatch commands: each script runs (under fake srun/scontrol/launchers) on every node and
     passes the command's arguments on to train.py."""
-    commands = section_commands("SLURM clusters", page="docs/launching.md")
+    commands = section_commands("SLURM clusters", page="docs/slurm.md")
     assert len(commands) == 3
     for command in commands:
         words = shlex.split(command)
@@ -270,3 +270,7 @@ def test_slurm_commands_run_under_a_fake_slurm(slurm):
         for node in range(nodes):
             launched = slurm.launched(node)
             assert "train.py" in launched and launched[-len(args) - 4 :] == [*args, *resume], (command, launched)
+
+
+def test_the_docs_page_commands_are_run_here():
+    assert_bash_blocks_run("docs/slurm.md")

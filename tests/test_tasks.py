@@ -305,7 +305,7 @@ def cpu_cannot_run(tmp_path: Path, config: str) -> Path:
 @pytest.mark.parametrize(
     "config, message",
     [("ddp.yaml", "fp16 mixed precision needs a GPU"), ("fsdp.yaml", "asks for FSDP version 1"),
-     ("deepspeed_zero3.yaml", "offloads to the CPU (offload_param_device)")],
+     pytest.param("deepspeed_zero3.yaml", "offloads to the CPU (offload_param_device)", marks=needs("deepspeed"))],
 )  # fmt: skip
 def test_launch_script_refuses_what_this_machine_cannot_run_in_one_line(tmp_path, config, message):
     if torch.cuda.is_available():
