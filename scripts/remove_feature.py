@@ -33,10 +33,32 @@ def feature_paths(name: str, root: Path) -> list[Path]:
 
 
 def remove(name: str, root: Path) -> list[Path]:
+    """Delete the feature's files, then what other pages say of it: marked lines and regions (`strip_mentions`)."""
     removed = feature_paths(name, root)
     for path in removed:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        if page.is_file():
+            text = page.read_text()
+            stripped = strip_mentions(text, name)
+            if stripped != text:
+                page.write_text(stripped)
     return removed
+
+
+def strip_mentions(text: str, name: str) -> str:
+    """The text without what it says of feature `name`: each line ending in `<!-- feature: NAME -->`, and each
+    region from a line `<!-- feature: NAME -->` to the next line `<!-- /feature -->`, markers included."""
+    marker, kept, skipping = f"<!-- feature: {name} -->", [], False
+    for line in text.splitlines(keepends=True):
+        stripped = line.strip()
+        if skipping:
+            skipping = stripped != "<!-- /feature -->"
+        elif stripped == marker:
+            skipping = True
+        elif not stripped.endswith(marker):
+            kept.append(line)
+    return "".join(kept)
 
 
 def copy_of_repo(destination: Path) -> Path:

@@ -62,8 +62,8 @@ def test_task_names_resolve_to_classes(task_module):
         task_class(module)
     with pytest.raises(UsageError, match="unknown --task 'nope'; use one of digits, tabular"):
         task_class("nope")
-    with pytest.raises(UsageError, match="unknown --task 'langauge_modeling'; did you mean language_modeling\\? use"):
-        task_class("langauge_modeling")
+    with pytest.raises(UsageError, match="unknown --task 'tabluar'; did you mean tabular\\? use"):
+        task_class("tabluar")
     with pytest.raises(UsageError, match="has no Task subclass 'Third'"):
         task_class(f"{module}.Third")
     assert [task_name(n) for n in ("digits", "my_pkg.my_task", "my_pkg.my_task.MyTask")] == [
