@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
-# Create .venv and install everything: torch for this machine (the small CPU build unless an NVIDIA GPU is
-# present: a plain `pip install torch` on Linux fetches a multi-GB CUDA build), then the pinned requirements.
-#   bash scripts/setup.sh            # TORCH_VERSION=2.13.0 by default; VENV=.venv
+# Create .venv with torch for this machine (the small CPU build unless an NVIDIA GPU is present: a plain
+# `pip install torch` on Linux fetches a multi-GB CUDA build) and what training needs (requirements.txt); with --dev
+# also what the tests need: requirements-dev.txt and every optional feature's requirements/*.txt.
+#   bash scripts/setup.sh          # TORCH_VERSION=2.13.0 by default; VENV=.venv
+#   bash scripts/setup.sh --dev    # + tests, lint and every feature present
+# The installed torch is then pinned for every later `pip install` in the venv (docs/install.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+case "${1-}" in
+    "") dev=false ;;
+    --dev) dev=true ;;
+    *) echo "error: unknown option '$1': use \`bash scripts/setup.sh\` or \`bash scripts/setup.sh --dev\`" >&2; exit 2 ;;
+esac
 
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 pip() { "$VENV/bin/python" -m pip "$@"; }
@@ -17,5 +25,17 @@ elif command -v nvidia-smi >/dev/null 2>&1; then
 else  # the CPU wheel from PyTorch's own index; its dependencies come from PyPI with the requirements below
     pip install -q --no-deps --retries 2 "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu
 fi
-pip install -q -r requirements.txt -r requirements-dev.txt
+
+# pip reads <venv>/pip.conf, so `.venv/bin/pip install timm` keeps this torch (or stops with a conflict) instead of
+# replacing it with another build, e.g. the CPU one with a CUDA one (+4.5 GB).
+installed=$("$VENV/bin/python" -c 'from importlib.metadata import version; print(version("torch"))')
+echo "torch==$installed" >"$VENV/constraints.txt"
+printf '[install]\nconstraint = %s\n' "$(cd "$VENV" && pwd)/constraints.txt" >"$VENV/pip.conf"
+
+requirements=(-r requirements.txt)
+if $dev; then
+    requirements+=(-r requirements-dev.txt)
+    for file in requirements/*.txt; do [ -e "$file" ] && requirements+=(-r "$file"); done
+fi
+pip install -q "${requirements[@]}"
 echo "ready: $VENV ($("$VENV/bin/python" -c 'import torch, accelerate; print(f"torch {torch.__version__}, accelerate {accelerate.__version__}")')); activate it with: source $VENV/bin/activate"
