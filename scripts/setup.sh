@@ -16,14 +16,16 @@ case "${1-}" in
 esac
 
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-pip() { "$VENV/bin/python" -m pip "$@"; }
+# --no-compile: Python compiles (and caches) what a run imports; compiling every installed file up front would add
+# ~230 MB of __pycache__ to the training install.
+install() { "$VENV/bin/python" -m pip install -q --no-compile "$@"; }
 
 if "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     echo "torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)') already installed"
 elif command -v nvidia-smi >/dev/null 2>&1; then
-    pip install -q "torch==$TORCH_VERSION"
+    install "torch==$TORCH_VERSION"
 else  # the CPU wheel from PyTorch's own index; its dependencies come from PyPI with the requirements below
-    pip install -q --no-deps --retries 2 "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu
+    install --no-deps --retries 2 "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu
 fi
 
 # pip reads <venv>/pip.conf, so `.venv/bin/pip install timm` keeps this torch (or stops with a conflict) instead of
@@ -37,5 +39,5 @@ if $dev; then
     requirements+=(-r requirements-dev.txt)
     for file in requirements/*.txt; do [ -e "$file" ] && requirements+=(-r "$file"); done
 fi
-pip install -q "${requirements[@]}"
+install "${requirements[@]}"
 echo "ready: $VENV ($("$VENV/bin/python" -c 'import torch, accelerate; print(f"torch {torch.__version__}, accelerate {accelerate.__version__}")')); activate it with: source $VENV/bin/activate"

@@ -1,7 +1,7 @@
 """Tasks: what is trained, selected by `--task`. The contract is the `Task` class in src/tasks/base.py.
 
 --task digits | tabular | causal_lm           the built-in tasks (this folder)
---task text_classification | language_modeling    Hugging Face transformers models (requirements-hf.txt)
+--task text_classification | language_modeling    Hugging Face transformers models (requirements/hf.txt)
 --task image_classification                   image folders; a plain CNN or a transformers model
 --task my_package.my_task                     a module defining one Task subclass
 --task my_package.my_task.MyTask              or the class itself
