@@ -16,8 +16,8 @@ case "${1-}" in
 esac
 
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-# --no-compile: Python compiles (and caches) what a run imports; compiling every installed file up front would add
-# ~230 MB of __pycache__ to the training install.
+# --no-compile: a run compiles (and caches) what it imports, ~50 MB; compiling every installed file up front would add
+# ~230 MB of __pycache__ to the training install. --dev compiles everything at the end (below).
 install() { "$VENV/bin/python" -m pip install -q --no-compile "$@"; }
 
 if "$VENV/bin/python" -c "import torch" 2>/dev/null; then
@@ -29,7 +29,7 @@ else  # the CPU wheel from PyTorch's own index; its dependencies come from PyPI 
 fi
 
 # pip reads <venv>/pip.conf, so `.venv/bin/pip install timm` keeps this torch (or stops with a conflict) instead of
-# replacing it with another build, e.g. the CPU one with a CUDA one (+4.5 GB).
+# replacing it with another build, e.g. the CPU one with a CUDA one and its nvidia-* libraries (GBs).
 installed=$("$VENV/bin/python" -c 'from importlib.metadata import version; print(version("torch"))')
 echo "torch==$installed" >"$VENV/constraints.txt"
 printf '[install]\nconstraint = %s\n' "$(cd "$VENV" && pwd)/constraints.txt" >"$VENV/pip.conf"
@@ -40,4 +40,8 @@ if $dev; then
     for file in requirements/*.txt; do [ -e "$file" ] && requirements+=(-r "$file"); done
 fi
 install "${requirements[@]}"
+if $dev; then  # the tests start hundreds of processes: none should compile, even where PYTHONDONTWRITEBYTECODE is set
+    # (compileall writes regardless). A file no Python 3 compiles (a package's template) is skipped, as pip does.
+    "$VENV/bin/python" -m compileall -qq -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
+fi
 echo "ready: $VENV ($("$VENV/bin/python" -c 'import torch, accelerate; print(f"torch {torch.__version__}, accelerate {accelerate.__version__}")')); activate it with: source $VENV/bin/activate"
