@@ -1,10 +1,13 @@
 # Shortcuts for the commands in README.md and docs/ (each target is one of them).
 PY := .venv/bin/python
 
-.PHONY: setup train test test-fast lint format benchmark config-reference
+.PHONY: setup setup-dev train test test-fast lint format benchmark config-reference
 
-setup:            ## create .venv with torch (CPU build without an NVIDIA GPU) and the pinned requirements
+setup:            ## create .venv with torch (CPU build without an NVIDIA GPU) and what training needs
 	bash scripts/setup.sh
+
+setup-dev:        ## add what the tests need and every feature's requirements/*.txt
+	bash scripts/setup.sh --dev
 
 train:            ## train the default digits example
 	$(PY) train.py

@@ -94,7 +94,7 @@ if "$PY" -c "import deepspeed, transformers" 2>/dev/null; then
         --config_file accelerate_configs/deepspeed_zero3.yaml --num_processes 1 train.py --max_steps 240 \
         --resume_from_checkpoint latest
 else
-    echo "| deepspeed | skipped: pip install deepspeed transformers | | |"
+    echo "| deepspeed | skipped: pip install -r requirements/deepspeed.txt | | |"
 fi
 # auto batch size under a forced memory cap: the per-device batch halves, the global batch stays
 check auto_batch_size_capped "$OUT/auto_batch_size_capped" 120 "$PY" -c "

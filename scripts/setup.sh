@@ -1,21 +1,47 @@
 #!/usr/bin/env bash
-# Create .venv and install everything: torch for this machine (the small CPU build unless an NVIDIA GPU is
-# present: a plain `pip install torch` on Linux fetches a multi-GB CUDA build), then the pinned requirements.
-#   bash scripts/setup.sh            # TORCH_VERSION=2.13.0 by default; VENV=.venv
+# Create .venv with torch for this machine (the small CPU build unless an NVIDIA GPU is present: a plain
+# `pip install torch` on Linux fetches a multi-GB CUDA build) and what training needs (requirements.txt); with --dev
+# also what the tests need: requirements-dev.txt and every optional feature's requirements/*.txt.
+#   bash scripts/setup.sh          # TORCH_VERSION=2.13.0 by default; VENV=.venv
+#   bash scripts/setup.sh --dev    # + tests, lint and every feature present
+# The installed torch is then pinned for every later `pip install` in the venv (docs/install.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+case "${1-}" in
+    "") dev=false ;;
+    --dev) dev=true ;;
+    *) echo "error: unknown option '$1': use \`bash scripts/setup.sh\` or \`bash scripts/setup.sh --dev\`" >&2; exit 2 ;;
+esac
 
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-pip() { "$VENV/bin/python" -m pip "$@"; }
+# --no-compile: a run compiles (and caches) what it imports, ~50 MB; compiling every installed file up front would add
+# ~230 MB of __pycache__ to the training install. --dev compiles everything at the end (below).
+install() { "$VENV/bin/python" -m pip install -q --no-compile "$@"; }
 
 if "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     echo "torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)') already installed"
 elif command -v nvidia-smi >/dev/null 2>&1; then
-    pip install -q "torch==$TORCH_VERSION"
+    install "torch==$TORCH_VERSION"
 else  # the CPU wheel from PyTorch's own index; its dependencies come from PyPI with the requirements below
-    pip install -q --no-deps --retries 2 "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu
+    install --no-deps --retries 2 "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu
 fi
-pip install -q -r requirements.txt -r requirements-dev.txt
+
+# pip reads <venv>/pip.conf, so `.venv/bin/pip install timm` keeps this torch (or stops with a conflict) instead of
+# replacing it with another build, e.g. the CPU one with a CUDA one and its nvidia-* libraries (GBs).
+installed=$("$VENV/bin/python" -c 'from importlib.metadata import version; print(version("torch"))')
+echo "torch==$installed" >"$VENV/constraints.txt"
+printf '[install]\nconstraint = %s\n' "$(cd "$VENV" && pwd)/constraints.txt" >"$VENV/pip.conf"
+
+requirements=(-r requirements.txt)
+if $dev; then
+    requirements+=(-r requirements-dev.txt)
+    for file in requirements/*.txt; do [ -e "$file" ] && requirements+=(-r "$file"); done
+fi
+install "${requirements[@]}"
+if $dev; then  # the tests start hundreds of processes: none should compile, even where PYTHONDONTWRITEBYTECODE is set
+    # (compileall writes regardless). A file no Python 3 compiles (a package's template) is skipped, as pip does.
+    "$VENV/bin/python" -m compileall -qq -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
+fi
 echo "ready: $VENV ($("$VENV/bin/python" -c 'import torch, accelerate; print(f"torch {torch.__version__}, accelerate {accelerate.__version__}")')); activate it with: source $VENV/bin/activate"

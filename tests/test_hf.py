@@ -319,7 +319,7 @@ def test_transformers_is_optional(tmp_path):
     hf = run_python("-c", WITHOUT_TRANSFORMERS.format(args=args))
     assert hf.returncode == 2
     assert hf.stderr.strip().splitlines()[-1] == (
-        "error: the Hugging Face tasks need transformers: pip install -r requirements-hf.txt"
+        "error: the Hugging Face tasks need transformers: pip install -r requirements/hf.txt"
     )
 
 

@@ -14,8 +14,8 @@ from tests.helpers import STRATEGIES, readme_command
 
 def test_quickstart_is_exactly_two_commands_and_ci_runs_them():
     setup_and_train, run_tests = section_commands("Quickstart")
-    assert "scripts/setup.sh" in setup_and_train and "train.py" in setup_and_train
-    assert "pytest" in run_tests
+    assert setup_and_train.startswith("bash scripts/setup.sh &&") and "train.py" in setup_and_train
+    assert run_tests.startswith("bash scripts/setup.sh --dev &&") and "pytest" in run_tests
     assert "readme_commands.py quickstart" in (REPO / ".ci/run").read_text()
 
 

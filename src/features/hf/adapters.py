@@ -7,7 +7,7 @@
 as an absolute path or a Hub name, so PEFT's loaders (`AutoPeftModelFor...`) and `--model_name_or_path` find it from
 any directory; `--merge_adapter true` saves the merged model instead, which `from_pretrained` and `pipeline` load.
 Under FSDP2 and DeepSpeed the adapter is gathered from every shard (`accelerator.get_state_dict`) before saving.
-`peft` is optional (requirements-hf.txt) and imported only when an adapter is used.
+`peft` is optional (requirements/hf.txt) and imported only when an adapter is used.
 """
 
 import json
@@ -53,7 +53,7 @@ def require_peft():
     try:
         import peft
     except ImportError as err:
-        raise UsageError("--peft lora needs PEFT: pip install -r requirements-hf.txt") from err
+        raise UsageError("--peft lora needs PEFT: pip install -r requirements/hf.txt") from err
     return peft
 
 

@@ -1,7 +1,7 @@
 """What the Hugging Face tasks share: loading a model, config and tokenizer (a local folder or the Hub, failing fast
 offline), tokenising once on the main process first, and saving the result with `save_pretrained`.
 
-`transformers` is optional: `pip install -r requirements-hf.txt` (scripts/setup.sh installs it for the tests).
+`transformers` is optional: `pip install -r requirements/hf.txt` (`scripts/setup.sh --dev` installs it for the tests).
 """
 
 from contextlib import contextmanager
@@ -92,7 +92,7 @@ def require_transformers():
     try:
         import transformers
     except ImportError as err:
-        raise UsageError("the Hugging Face tasks need transformers: pip install -r requirements-hf.txt") from err
+        raise UsageError("the Hugging Face tasks need transformers: pip install -r requirements/hf.txt") from err
     transformers.utils.logging.disable_progress_bar()  # loading and saving bars: the log lines say it already
     return transformers
 
