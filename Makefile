@@ -1,7 +1,7 @@
 # Shortcuts for the commands in README.md and docs/ (each target is one of them).
 PY := .venv/bin/python
 
-.PHONY: setup setup-dev train test test-fast lint format benchmark config-reference
+.PHONY: setup setup-dev train test test-fast lint format config-reference
 
 setup:            ## create .venv with torch (CPU build without an NVIDIA GPU) and what training needs
 	bash scripts/setup.sh
@@ -24,8 +24,6 @@ lint:             ## ruff lint and format check
 format:           ## ruff autofix and format
 	$(PY) -m ruff check --fix . && $(PY) -m ruff format .
 
-benchmark:        ## the template vs textbook, index-batching and plain Accelerate loops
-	$(PY) scripts/benchmark.py --output runs/benchmark.json
 
 config-reference: ## regenerate the config table in docs/config.md from src/config.py
 	$(PY) scripts/config_reference.py

@@ -33,10 +33,17 @@ def feature_paths(name: str, root: Path) -> list[Path]:
 
 
 def remove(name: str, root: Path) -> list[Path]:
-    """Delete the feature's files, then what other pages say of it: marked lines and regions (`strip_mentions`)."""
+    """Delete the feature's files and its features.yaml entry, then what other pages say of it: marked lines and
+    regions (`strip_mentions`), and its options' table in docs/config.md."""
     removed = feature_paths(name, root)
     for path in removed:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
+    manifest_file = root / "features.yaml"  # its entry goes too: the text, so that the comments stay
+    manifest_file.write_text(
+        re.sub(rf"^{re.escape(name)}:\n(?:[ #].*\n|\n)*", "", manifest_file.read_text(), flags=re.M)
+    )
+    if (root / "scripts" / "config_reference.py").is_file():  # docs/config.md's tables: without its options
+        subprocess.run([sys.executable, "scripts/config_reference.py"], cwd=root, check=True)
     for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
         if page.is_file():
             text = page.read_text()
@@ -47,8 +54,9 @@ def remove(name: str, root: Path) -> list[Path]:
 
 
 def strip_mentions(text: str, name: str) -> str:
-    """The text without what it says of feature `name`: each line ending in `<!-- feature: NAME -->`, and each
-    region from a line `<!-- feature: NAME -->` to the next line `<!-- /feature -->`, markers included."""
+    """The text without what it says of feature `name`: each line ending in `[feature: NAME]` (shown: it tells the
+    reader which feature a line is about) or `<!-- feature: NAME -->`, and each region from a line
+    `<!-- feature: NAME -->` to the next line `<!-- /feature -->`, markers included."""
     marker, kept, skipping = f"<!-- feature: {name} -->", [], False
     for line in text.splitlines(keepends=True):
         stripped = line.strip()
@@ -56,7 +64,7 @@ def strip_mentions(text: str, name: str) -> str:
             skipping = stripped != "<!-- /feature -->"
         elif stripped == marker:
             skipping = True
-        elif not stripped.endswith(marker):
+        elif not stripped.endswith((marker, f"[feature: {name}]")):
             kept.append(line)
     return "".join(kept)
 

@@ -25,7 +25,8 @@ def has_feature(name: str) -> bool:
     """Whether this project still has the optional feature `name`: its first file in features.yaml is here."""
     import yaml
 
-    return (REPO / yaml.safe_load((REPO / "features.yaml").read_text())[name]["paths"][0]).exists()
+    feature = yaml.safe_load((REPO / "features.yaml").read_text()).get(name)
+    return feature is not None and (REPO / feature["paths"][0]).exists()
 
 
 def needs(*names: str):

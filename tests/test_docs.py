@@ -23,8 +23,19 @@ PAGES = ["README.md", *sorted(str(path.relative_to(REPO)) for path in (REPO / "d
 FENCE = re.compile(r"^```.*?^```", flags=re.DOTALL | re.MULTILINE)
 
 # The core's pages; each feature's page is checked by its own test module.
-CORE_PAGES = ["README.md", *(f"docs/{name}.md" for name in ("config", "customize", "errors", "how_it_works",
-                                                            "launching", "predict", "resume", "tracking"))]  # fmt: skip
+CORE = (
+    "config",
+    "customize",
+    "errors",
+    "how_it_works",
+    "install",
+    "launching",
+    "predict",
+    "resume",
+    "testing",
+    "tracking",
+)
+CORE_PAGES = ["README.md", *(f"docs/{name}.md" for name in CORE)]
 
 
 @pytest.mark.parametrize("page", CORE_PAGES)
