@@ -25,7 +25,7 @@ def has_feature(name: str) -> bool:
     """Whether this project still has the optional feature `name`: its first file in features.yaml is here."""
     import yaml
 
-    feature = yaml.safe_load((REPO / "features.yaml").read_text()).get(name)
+    feature = (yaml.safe_load((REPO / "features.yaml").read_text()) or {}).get(name)  # {}: every feature removed
     return feature is not None and (REPO / feature["paths"][0]).exists()
 
 
