@@ -149,6 +149,7 @@ import os, signal, sys
 sys.path.insert(0, {repo!r})
 import train
 import src.checkpoint
+import src.tracking
 from src.errors import command_line
 
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal starts it: a pytest-xdist worker ignores it
@@ -156,12 +157,12 @@ signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal starts
 def at_step(step, metrics):
     {hook}
 
-log_metrics = train.log_metrics
+log_metrics = src.tracking.log_metrics
 def log_and_maybe_fail(accelerator, metrics, step):
     log_metrics(accelerator, metrics, step)
     if "train/loss" in metrics:
         at_step(step, metrics)
-train.log_metrics = log_and_maybe_fail
+src.tracking.log_metrics = log_and_maybe_fail  # train.py calls tracking.log_metrics
 {extra}
 command_line(train.main)(sys.argv[1:])
 """

@@ -44,7 +44,9 @@ def kill_rank_1_once():
     with open({marker!r} + ".env" + os.environ["RANK"], "w") as f:
         json.dump(launched, f)  # what this worker got from the accelerate config
 
-    log_metrics = train.log_metrics
+    import src.tracking
+
+    log_metrics = src.tracking.log_metrics
 
     def log_and_maybe_die(accelerator, metrics, step):
         log_metrics(accelerator, metrics, step)
@@ -52,7 +54,7 @@ def kill_rank_1_once():
             open({marker!r}, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
 
-    train.log_metrics = log_and_maybe_die
+    src.tracking.log_metrics = log_and_maybe_die  # train.py calls tracking.log_metrics
 
 ray_train.main(worker_setup=kill_rank_1_once)
 """
