@@ -86,13 +86,3 @@ def test_removing_a_feature_leaves_the_rest_working(name):
         cwd=REPO, env=command_env(), capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-
-
-@pytest.mark.slow
-def test_the_core_alone_passes_its_fast_tests():
-    """Every feature removed at once: the lean core's own fast tier passes (no core test needs a feature)."""
-    result = subprocess.run(
-        [sys.executable, "scripts/remove_feature.py", "--check", "--all", "--tests", "fast"],
-        cwd=REPO, env=command_env(), capture_output=True, text=True, timeout=1800,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]

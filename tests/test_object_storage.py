@@ -369,7 +369,8 @@ def test_the_start_check_gives_up_after_its_own_two_retries(monkeypatch):
     finally:
         listener.close()
     retries = clients[0]["retries"]  # botocore rewrites the dict it is given into the total of attempts
-    assert clients[0]["connect_timeout"] == 5 and 3 in (retries.get("total_max_attempts"), 1 + retries.get("max_attempts", 0))
+    attempts_allowed = retries.get("total_max_attempts", 1 + retries.get("max_attempts", 0))
+    assert clients[0]["connect_timeout"] == 5 and attempts_allowed == 3
     # 3 from botocore's client, now and then one or two of s3fs's own on a loaded machine (botocore's defaults: 5-6)
     assert 1 <= len(attempts) <= 5, f"{len(attempts)} connection attempts"
 
