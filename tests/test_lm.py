@@ -12,7 +12,18 @@ from src.cli import resolve
 from src.config import TrainConfig
 from src.errors import UsageError
 from src.tasks import build_task, causal_lm
-from tests.conftest import REPO, assert_ok, assert_processes, read_metrics, run_python, run_train, run_with_hook, series
+from tests.conftest import (
+    REPO,
+    assert_ok,
+    assert_processes,
+    read_metrics,
+    run_main,
+    run_on,
+    run_python,
+    run_train,
+    run_with_hook,
+    series,
+)
 
 LM = ["--config", "configs/lm.yaml"]
 STDLIB = REPO / "data" / "stdlib"
@@ -53,7 +64,7 @@ def one_and_two_processes(tmp_path_factory):
     runs = {}
     for processes in (1, 2):
         output_dir = tmp_path_factory.mktemp(f"lm_p{processes}") / "run"
-        assert_ok(run_train(*LM, *SAME_RUN, "--output_dir", str(output_dir), processes=processes))
+        assert_ok(run_on(processes, *LM, *SAME_RUN, "--output_dir", str(output_dir)))
         assert_processes(output_dir, processes)
         runs[processes] = read_metrics(output_dir)
     return runs
@@ -126,7 +137,7 @@ def test_gradient_checkpointing_recomputes_and_trains_the_same(tmp_path):
 
 @pytest.mark.slow
 def test_unknown_task_arg_is_one_error_line(out):
-    result = run_train(*LM, "--output_dir", str(out), "--n_layers", "2")
+    result = run_main(*LM, "--output_dir", str(out), "--n_layers", "2")
     assert result.returncode == 2, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error:") and "n_layers" in last and "did you mean --n_layer?" in last, last

@@ -11,6 +11,7 @@ from tests.conftest import (
     assert_ok,
     assert_processes,
     read_metrics,
+    run_main,
     run_python,
     run_train,
     run_with_hook,
@@ -88,8 +89,8 @@ def test_early_stopping_stops_every_process_at_the_same_step(tmp_path):
 @pytest.mark.slow
 def test_overfit_preset_drives_the_train_loss_to_zero(tmp_path):
     out = tmp_path / "run"
-    result = run_train("--config", "configs/default.yaml", "--config", "configs/debug/overfit.yaml",
-                       "--output_dir", str(out))  # fmt: skip
+    result = run_main("--config", "configs/default.yaml", "--config", "configs/debug/overfit.yaml",
+                      "--output_dir", str(out))  # fmt: skip
     assert_ok(result)
     assert series(read_metrics(out), "train/loss")[150] < 0.05
 
@@ -97,8 +98,8 @@ def test_overfit_preset_drives_the_train_loss_to_zero(tmp_path):
 @pytest.mark.slow
 def test_smoke_preset_and_profiler_trace(tmp_path):
     out = tmp_path / "run"
-    result = run_train("--config", "configs/default.yaml", "--config", "configs/debug/smoke.yaml",
-                       "--output_dir", str(out), "--profile_steps", "2")  # fmt: skip
+    result = run_main("--config", "configs/default.yaml", "--config", "configs/debug/smoke.yaml",
+                      "--output_dir", str(out), "--profile_steps", "2")  # fmt: skip
     assert_ok(result)
     assert read_metrics(out)[-1]["eval/num_samples"] == 64
     trace = json.loads((out / "profile" / "trace_rank0.json").read_text())
@@ -115,7 +116,7 @@ def test_smoke_preset_and_profiler_trace(tmp_path):
     ],
 )  # fmt: skip
 def test_unsupported_options_are_clear_errors(tmp_path, flags, message):
-    result = run_train(*QUICK, "--output_dir", str(tmp_path / "run"), *flags)
+    result = run_main(*QUICK, "--output_dir", str(tmp_path / "run"), *flags)
     assert result.returncode == 2
     assert message in result.stderr.strip().splitlines()[-1]
 
@@ -133,7 +134,7 @@ def test_torch_compile_trains_on_the_cpu_and_saves_plain_keys(tmp_path):
                          env={"TORCHINDUCTOR_CACHE_DIR": str(cache)}, timeout=600)  # fmt: skip
     assert_ok(compiled)
     assert any(path.suffix == ".py" for path in cache.rglob("*")), "inductor generated no code"
-    assert_ok(run_train(*flags, "--output_dir", str(tmp_path / "eager")))
+    assert_ok(run_main(*flags, "--output_dir", str(tmp_path / "eager")))
     losses, eager = (series(read_metrics(tmp_path / run), "train/loss") for run in ("compiled", "eager"))
     assert list(losses) == [1, 2, 3, 4] and all(math.isfinite(loss) for loss in losses.values())
     assert losses == pytest.approx(eager, abs=1e-5)
@@ -144,7 +145,7 @@ def test_torch_compile_trains_on_the_cpu_and_saves_plain_keys(tmp_path):
     for path in ("model/model.safetensors", "checkpoints/step_2/model.safetensors"):
         assert keys("compiled", path) == keys("eager", path) == ["1.bias", "1.weight"]
     checkpoint = str(tmp_path / "compiled" / "checkpoints" / "step_2")
-    assert_ok(run_train(*flags, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint", checkpoint))
+    assert_ok(run_main(*flags, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint", checkpoint))
     resumed = series(read_metrics(tmp_path / "resumed"), "train/loss")
     assert list(resumed) == [3, 4] and resumed == pytest.approx({3: eager[3], 4: eager[4]}, abs=1e-5)
 

@@ -18,7 +18,16 @@ from src.tasks import BUILT_IN, build_task, task_class, task_name
 from src.tasks.base import Task, task_errors
 from src.tasks.causal_lm import CausalLM
 from src.tasks.digits import Digits
-from tests.conftest import QUICK, REPO, assert_ok, launch_command, read_metrics, run_command, run_train, run_with_hook
+from tests.conftest import (
+    QUICK,
+    REPO,
+    assert_ok,
+    launch_command,
+    read_metrics,
+    run_command,
+    run_main,
+    run_with_hook,
+)
 
 
 def digits_only(task: str) -> set[str]:
@@ -281,7 +290,7 @@ Digits.loss = loss
     last = failed.stderr.strip().splitlines()[-1]
     assert last.startswith("error: Digits.loss() failed on a batch [tensor float32 [32, 1, 8, 8], tensor int64 [32]]")
     assert "Traceback" not in failed.stderr
-    assert_ok(run_train(*QUICK, "--output_dir", str(out)))  # nothing left behind blocks the retry
+    assert_ok(run_main(*QUICK, "--output_dir", str(out)))  # nothing left behind blocks the retry
     assert [row["step"] for row in read_metrics(out) if "train/loss" in row] == [2, 4, 6]
 
 
