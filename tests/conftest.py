@@ -95,8 +95,9 @@ def run_main(*args: str, env: dict | None = None) -> subprocess.CompletedProcess
         "signals": {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)},
         "random": (random.getstate(), np.random.get_state(), torch.get_rng_state()),
     }  # fmt: skip
+    run_env = command_env(env)
     os.environ.clear()
-    os.environ.update(command_env(env))
+    os.environ.update(run_env)
     sys.argv = ["train.py", *args]  # --debug is read from it
     os.chdir(REPO)
     torch.set_num_threads(1)
