@@ -14,7 +14,6 @@ from tests.conftest import (
     run_main,
     run_python,
     run_train,
-    run_with_hook,
     series,
 )
 
@@ -49,20 +48,20 @@ def test_the_notebook_runs(tmp_path):
 
 
 @pytest.mark.slow
-def test_auto_find_batch_size_keeps_the_global_batch(tmp_path):
+def test_auto_find_batch_size_keeps_the_global_batch(tmp_path, monkeypatch):
     """A simulated out-of-memory error above 16 samples per device: halve once, accumulate 4 batches instead."""
+    from src.tasks.digits import Digits
+
     out = tmp_path / "run"
-    oom_above_16 = """
-from src.tasks.digits import Digits
-loss = Digits.loss
-def loss_or_oom(self, model, batch):
-    if len(batch[0]) > 16:
-        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
-    return loss(self, model, batch)
-Digits.loss = loss_or_oom
-"""
-    result = run_with_hook(tmp_path, [*QUICK, "--output_dir", str(out), "--auto_find_batch_size", "true"],
-                           extra=oom_above_16)  # fmt: skip
+    loss = Digits.loss
+
+    def loss_or_oom(self, model, batch):
+        if len(batch[0]) > 16:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+        return loss(self, model, batch)
+
+    monkeypatch.setattr(Digits, "loss", loss_or_oom)
+    result = run_main(*QUICK, "--output_dir", str(out), "--auto_find_batch_size", "true")
     assert_ok(result)
     setup = read_metrics(out)[0]
     assert (setup["setup/per_device_batch"], setup["setup/gradient_accumulation"], setup["setup/global_batch"]) == (
@@ -150,23 +149,21 @@ def test_torch_compile_trains_on_the_cpu_and_saves_plain_keys(tmp_path):
     assert list(resumed) == [3, 4] and resumed == pytest.approx({3: eager[3], 4: eager[4]}, abs=1e-5)
 
 
-# the model's own output, inside Accelerate's autocast wrapper (which casts what leaves the model back to float32)
-RECORD_LOGITS_DTYPE = """
-from src.models.digits_cnn import DigitsCNN
-forward = DigitsCNN.forward
-def recording(self, images):
-    logits = forward(self, images)
-    print("LOGITS DTYPE", logits.dtype, flush=True)
-    return logits
-DigitsCNN.forward = recording
-"""
-
-
 @pytest.mark.slow
-def test_bf16_mixed_precision_trains_on_the_cpu(tmp_path, out):
-    result = run_with_hook(tmp_path, ["--max_steps", "30", "--logging_steps", "10", "--eval_steps", "1000",
-                                      "--mixed_precision", "bf16", "--output_dir", str(out)],
-                           extra=RECORD_LOGITS_DTYPE)  # fmt: skip
+def test_bf16_mixed_precision_trains_on_the_cpu(out, monkeypatch):
+    from src.models.digits_cnn import DigitsCNN
+
+    forward = DigitsCNN.forward
+
+    # the model's own output, inside Accelerate's autocast wrapper (which casts what leaves the model back to float32)
+    def recording(self, images):
+        logits = forward(self, images)
+        print("LOGITS DTYPE", logits.dtype, flush=True)
+        return logits
+
+    monkeypatch.setattr(DigitsCNN, "forward", recording)
+    result = run_main("--max_steps", "30", "--logging_steps", "10", "--eval_steps", "1000", "--mixed_precision", "bf16",
+                      "--output_dir", str(out))  # fmt: skip
     assert_ok(result)
     rows = read_metrics(out)
     assert rows[0]["setup/mixed_precision"] == "bf16"
