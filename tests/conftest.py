@@ -1,6 +1,5 @@
 """Helpers to run train.py as a user would: `python train.py` or `accelerate launch` with N CPU processes."""
 
-import atexit
 import contextlib
 import json
 import os
@@ -10,12 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.forkserver import ForkServer
-
 REPO = Path(__file__).resolve().parents[1]
 
 LAUNCHER_VARIABLES = {"WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_CPU"}
-HARNESS_VARIABLES = {*LAUNCHER_VARIABLES, "TEST_FRESH_PROCESSES"}  # the tests' own: never a run's
+HARNESS_VARIABLES = LAUNCHER_VARIABLES  # the tests' own: never a run's
 
 # A short run of the default example; tests add their own flags after these.
 QUICK = ["--max_steps", "6", "--logging_steps", "2", "--eval_steps", "1000"]
@@ -51,12 +48,8 @@ def run_python(*args: str, **kwargs) -> subprocess.CompletedProcess:
 
 
 def run_snippet(code: str, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python -c code args` from the repo, forked from the fork server: for code whose result can't depend on what
-    the server had imported (e.g. reloading a saved model), not for checks of what a process imports."""
-    command, full_env, server = [sys.executable, "-c", code, *args], command_env(env), fork_server()
-    if server.accepts(command, full_env, REPO, {}, snippet=True):
-        return server.run(command, full_env, REPO, timeout)
-    return run_command(command, env=env, timeout=timeout)
+    """`python -c code args` from the repo, a fresh process."""
+    return run_command([sys.executable, "-c", code, *args], env=env, timeout=timeout)
 
 
 def command_env(env: dict | None = None) -> dict:
@@ -67,33 +60,87 @@ def command_env(env: dict | None = None) -> dict:
     return {k: v for k, v in full_env.items() if v is not None}
 
 
-def fork_server() -> ForkServer:
-    """This pytest process's fork server, started with command_env(); started again when that has changed (a test
-    or a library set a variable in os.environ), since the server's imports may have read it."""
-    global _fork_server
-    env = command_env()
-    if _fork_server is None or _fork_server.env != env:
-        if _fork_server is not None:
-            _fork_server.close()
-        else:
-            atexit.register(lambda: _fork_server.close())
-        _fork_server = ForkServer(env)
-    return _fork_server
-
-
-_fork_server: ForkServer | None = None
-
-
 def run_command(command: list[str], env: dict | None = None, timeout: float = 300, cwd: Path = REPO, **kwargs):
-    """Run `command` in `command_env(env)`, stdin closed. A script run or an Accelerate launch (and its ranks) is
-    forked from the fork server (tests/forkserver.py: the same processes, without paying the imports again)."""
-    full_env, server = command_env(env), fork_server()
-    if server.accepts(command, full_env, cwd, kwargs):
-        return server.run(command, full_env, cwd, timeout)
+    """Run `command` as a process of its own in `command_env(env)`, stdin closed."""
     return subprocess.run(
-        command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
-        **kwargs,
+        command, cwd=cwd, env=command_env(env), capture_output=True, text=True, timeout=timeout,
+        stdin=subprocess.DEVNULL, **kwargs,
     )  # fmt: skip
+
+
+def run_main(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python train.py args` as a call of train.py's `main` in this process: the same exit status, stdout and
+    stderr, at no import cost. For 1-process runs checked by what they write, print and exit with; a check of how a
+    process starts or ends (signals, imports, a launch) runs a real process instead. What a run changes
+    process-wide is put back after it: Accelerate's singletons, os.environ, sys.argv, cwd, logging, signal handlers,
+    torch's threads and random generators."""
+    import io
+    import logging
+    import random
+    import signal
+    import traceback
+
+    import numpy as np
+    import torch
+    from accelerate.state import AcceleratorState, GradientState
+
+    from src.errors import command_line
+    from train import main
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    loggers = [logging.root, *(v for v in logging.root.manager.loggerDict.values() if isinstance(v, logging.Logger))]
+    saved = {
+        "environ": dict(os.environ), "argv": sys.argv, "cwd": os.getcwd(), "threads": torch.get_num_threads(),
+        "handlers": logging.root.handlers[:], "levels": {logger: logger.level for logger in loggers},
+        "signals": {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)},
+        "random": (random.getstate(), np.random.get_state(), torch.get_rng_state()),
+    }  # fmt: skip
+    run_env = command_env(env)
+    os.environ.clear()
+    os.environ.update(run_env)
+    sys.argv = ["train.py", *args]  # --debug is read from it
+    os.chdir(REPO)
+    torch.set_num_threads(1)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    returncode = 0
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                command_line(main)(list(args))
+            except SystemExit as stop:  # as the interpreter exits: an int is the status, anything else is printed
+                if stop.code is None or isinstance(stop.code, int):
+                    returncode = stop.code or 0
+                else:
+                    print(stop.code, file=sys.stderr)
+                    returncode = 1
+            except Exception:  # as the interpreter reports an uncaught exception: its traceback, exit status 1
+                traceback.print_exc()
+                returncode = 1
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        torch.compiler.reset()
+        os.environ.clear()
+        os.environ.update(saved["environ"])
+        sys.argv = saved["argv"]
+        os.chdir(saved["cwd"])
+        torch.set_num_threads(saved["threads"])
+        logging.root.handlers[:] = saved["handlers"]
+        for logger, level in saved["levels"].items():
+            logger.setLevel(level)
+        for number, handler in saved["signals"].items():
+            signal.signal(number, handler)
+        random.setstate(saved["random"][0])
+        np.random.set_state(saved["random"][1])
+        torch.set_rng_state(saved["random"][2])
+    command = [sys.executable, "train.py", *args]
+    return subprocess.CompletedProcess(command, returncode, stdout.getvalue(), stderr.getvalue())
+
+
+def run_on(processes: int, *args: str, config: str = "ddp", env: dict | None = None) -> subprocess.CompletedProcess:
+    """train.py on `processes` processes: 1 in this process (run_main), more in an `accelerate launch`."""
+    return run_main(*args, env=env) if processes == 1 else run_train(*args, processes=processes, config=config, env=env)
 
 
 def read_metrics(output_dir: Path) -> list[dict]:

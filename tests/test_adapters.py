@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import QUICK, assert_ok, assert_processes, read_metrics, run_snippet, run_train
+from tests.conftest import QUICK, assert_ok, assert_processes, read_metrics, run_main, run_snippet, run_train
 from tests.helpers import (
     LM_EVAL,
     STRATEGIES,
@@ -42,7 +42,7 @@ def adapter_weights(run: Path) -> dict[str, torch.Tensor]:
 def lm_runs(hf_assets, tmp_path_factory) -> dict[int, Path]:
     """1 process (16 per step), saving the merged model; 2 processes (4 x 2 accumulated each), saving the adapter."""
     runs = {n: tmp_path_factory.mktemp(f"lora{n}") / "run" for n in (1, 2)}
-    assert_ok(run_train(*lora_lm(hf_assets, 16, "--merge_adapter", "true"), "--output_dir", str(runs[1])))
+    assert_ok(run_main(*lora_lm(hf_assets, 16, "--merge_adapter", "true"), "--output_dir", str(runs[1])))
     assert_ok(run_train(*lora_lm(hf_assets, 4), "--output_dir", str(runs[2]), processes=2))
     assert_processes(runs[2], 2)
     return runs
@@ -82,7 +82,7 @@ def test_the_merged_model_loads_with_from_pretrained_to_the_eval_loss(lm_runs, h
 def test_eval_only_and_predict_on_the_adapter_folder(lm_runs, hf_assets, tmp_path):
     args = language_modeling(hf_assets, "--do_train", "false", "--do_predict", "true", "--max_new_tokens", "4")
     out = tmp_path / "eval"
-    assert_ok(run_train(*args, "--model_name_or_path", str(lm_runs[2] / "model"), "--output_dir", str(out)))
+    assert_ok(run_main(*args, "--model_name_or_path", str(lm_runs[2] / "model"), "--output_dir", str(out)))
     results = json.loads((out / "eval_results.json").read_text())
     assert results["eval/loss"] == pytest.approx(read_metrics(lm_runs[2])[-1]["eval/loss"], abs=1e-6)
     rows = (out / "predictions.jsonl").read_text().splitlines()
@@ -132,7 +132,7 @@ def classifier(hf_assets, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("lora_tc") / "run"
     args = classification(hf_assets, *LORA, "--max_steps", "12", "--eval_steps", "4", "--global_batch_size", "32",
                           "--metric_for_best_model", "accuracy", "--load_best_model_at_end", "true")  # fmt: skip
-    assert_ok(run_train(*args, "--output_dir", str(out)))
+    assert_ok(run_main(*args, "--output_dir", str(out)))
     return out
 
 
@@ -148,7 +148,7 @@ def test_the_best_classifier_adapter_reloads_with_its_labels(classifier, hf_asse
 def test_eval_only_from_the_run_config_reproduces_the_best_and_predicts_label_names(classifier, hf_assets):
     best = json.loads((classifier / "eval_results.json").read_text())
     config = str(classifier / "config.yaml")
-    assert_ok(run_train("--config", config, "--do_train", "false", "--do_predict", "true"))
+    assert_ok(run_main("--config", config, "--do_train", "false", "--do_predict", "true"))
     again = json.loads((classifier / "eval_results.json").read_text())
     assert again["eval/accuracy"] == best["eval/accuracy"]
     assert again["eval/loss"] == pytest.approx(best["eval/loss"], abs=1e-6)
@@ -182,13 +182,13 @@ def test_bad_adapter_options(hf_assets, tmp_path, flags, pattern):
         assert_ok(run_snippet(CTRL_MODEL, str(tmp_path / "ctrl")))
         flags = ["--model_name_or_path", str(tmp_path / "ctrl"), "--tokenizer_name", hf_assets["gpt2"]]
     out = tmp_path / "run"
-    assert_error_line(run_train(*language_modeling(hf_assets, "--peft", "lora", *QUICK, *flags), "--output_dir",
-                                str(out)), pattern)  # fmt: skip
+    assert_error_line(run_main(*language_modeling(hf_assets, "--peft", "lora", *QUICK, *flags), "--output_dir",
+                               str(out)), pattern)  # fmt: skip
     assert not out.exists()
 
 
 def test_merge_adapter_needs_an_adapter(hf_assets, tmp_path):
     out = tmp_path / "run"
-    result = run_train(*classification(hf_assets, "--merge_adapter", "true", *QUICK), "--output_dir", str(out))
+    result = run_main(*classification(hf_assets, "--merge_adapter", "true", *QUICK), "--output_dir", str(out))
     assert_error_line(result, r"--merge_adapter true needs an adapter: add --peft lora")
     assert not out.exists()

@@ -17,7 +17,7 @@ from tests.conftest import (
     command_env,
     launch_command,
     read_metrics,
-    run_command,
+    run_main,
     run_with_hook,
     series,
     signal_at,
@@ -35,7 +35,7 @@ def uninterrupted(tmp_path_factory):
     for processes in (1, 2):
         output_dir = tmp_path_factory.mktemp(f"full{processes}") / "run"
         args = [*RUN, "--output_dir", str(output_dir), "--dataloader_index_batches", "false"]
-        assert_ok(run_with_hook(output_dir.parent, args, processes=processes))
+        assert_ok(run_main(*args) if processes == 1 else run_with_hook(output_dir.parent, args, processes=processes))
         assert_processes(output_dir, processes)
         runs[processes] = train_losses(output_dir)
     return runs
@@ -52,7 +52,7 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(tmp_path, uninterru
     assert killed.returncode != 0
     assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step_10", "step_20"]
 
-    resumed = run_with_hook(tmp_path, args, processes=processes)  # the very same command
+    resumed = run_main(*args) if processes == 1 else run_with_hook(tmp_path, args, processes=processes)  # the same
     assert_ok(resumed)
     assert_processes(out, processes)  # both starts
     assert "resuming from" in resumed.stdout + resumed.stderr
@@ -174,7 +174,7 @@ src.checkpoint.os.replace = replace_or_die
     assert killed.returncode != 0
     assert (out / "checkpoints" / ".tmp_step_30").is_dir()  # fully written but never renamed
 
-    resumed = run_with_hook(tmp_path, args)
+    resumed = run_main(*args)
     assert_ok(resumed)
     assert "removing" in resumed.stderr + resumed.stdout and "incomplete checkpoint" in resumed.stderr + resumed.stdout
     assert "at step 20" in resumed.stderr + resumed.stdout
@@ -185,9 +185,7 @@ src.checkpoint.os.replace = replace_or_die
 @pytest.mark.slow
 def test_latest_without_checkpoint_starts_fresh(tmp_path):
     out = tmp_path / "run"
-    result = run_command(
-        [*launch_command(1), "--max_steps", "3", "--output_dir", str(out), "--resume_from_checkpoint", "latest"]
-    )
+    result = run_main("--max_steps", "3", "--output_dir", str(out), "--resume_from_checkpoint", "latest")
     assert_ok(result)
     assert "starting fresh" in result.stdout + result.stderr
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_3"]
@@ -196,12 +194,10 @@ def test_latest_without_checkpoint_starts_fresh(tmp_path):
 @pytest.mark.slow
 def test_resume_with_other_global_batch_is_refused(tmp_path):
     out = tmp_path / "run"
-    assert_ok(run_command([*launch_command(1), "--max_steps", "3", "--output_dir", str(out)]))
+    assert_ok(run_main("--max_steps", "3", "--output_dir", str(out)))
     before = (out / "metrics.jsonl").read_text()
-    result = run_command(
-        [*launch_command(1), "--max_steps", "6", "--output_dir", str(out), "--resume_from_checkpoint", "latest",
-         "--global_batch_size", "128"]
-    )  # fmt: skip
+    result = run_main("--max_steps", "6", "--output_dir", str(out), "--resume_from_checkpoint", "latest",
+                      "--global_batch_size", "128")  # fmt: skip
     assert result.returncode == 2
     assert "global batch of 64, this run has 128" in result.stderr.strip().splitlines()[-1]
     assert (out / "metrics.jsonl").read_text() == before
@@ -213,8 +209,8 @@ def test_resuming_a_finished_run_trains_no_further(tmp_path):
     out = tmp_path / "run"
     args = ["--max_steps", "6", "--logging_steps", "2", "--eval_steps", "1000", "--output_dir", str(out),
             "--resume_from_checkpoint", "latest"]  # fmt: skip
-    assert_ok(run_command([*launch_command(1), *args]))
+    assert_ok(run_main(*args))
     before = series(read_metrics(out), "train/loss")
-    assert_ok(run_command([*launch_command(1), *args]))
+    assert_ok(run_main(*args))
     rows = read_metrics(out)
     assert max(row["step"] for row in rows) == 6 and series(rows, "train/loss") == before

@@ -24,7 +24,7 @@ from tests.conftest import (
     command_env,
     free_port,
     read_metrics,
-    run_train,
+    run_main,
     series,
     signal_at,
 )
@@ -203,7 +203,7 @@ def start_pods(manifest_command: list[str], output_dir, pod_env: list[dict], scr
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     out = tmp_path_factory.mktemp("one") / "run"
-    assert_ok(run_train("--config", "configs/default.yaml", *SAME_RUN, "--output_dir", str(out)))
+    assert_ok(run_main("--config", "configs/default.yaml", *SAME_RUN, "--output_dir", str(out)))
     return out
 
 

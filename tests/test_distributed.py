@@ -14,8 +14,8 @@ from tests.conftest import (
     launch_command,
     read_metrics,
     run_command,
+    run_on,
     run_python,
-    run_train,
     series,
 )
 
@@ -29,7 +29,7 @@ def one_and_two_processes(tmp_path_factory):
     runs = {}
     for processes in (1, 2):
         output_dir = tmp_path_factory.mktemp(f"p{processes}") / "run"
-        result = run_train(*SAME_RUN, "--output_dir", str(output_dir), processes=processes)
+        result = run_on(processes, *SAME_RUN, "--output_dir", str(output_dir))
         assert_ok(result)
         runs[processes] = (result, read_metrics(output_dir))
     return runs
@@ -84,8 +84,8 @@ def test_batchnorm_on_2_processes_trains_like_1_process_with_the_whole_batch(tmp
     runs = {}
     for processes, per_device in ((1, "64"), (2, "32")):
         runs[processes] = tmp_path / f"p{processes}"
-        result = run_train(*SAME_RUN, "--norm", "batch", "--per_device_train_batch_size", per_device,
-                           "--output_dir", str(runs[processes]), processes=processes)  # fmt: skip
+        result = run_on(processes, *SAME_RUN, "--norm", "batch", "--per_device_train_batch_size", per_device,
+                        "--output_dir", str(runs[processes]))  # fmt: skip
         assert_ok(result)
         assert "FutureWarning" not in result.stderr  # no deprecated all-reduce (src/sync_batchnorm.py)
         assert_processes(runs[processes], processes)
@@ -107,9 +107,9 @@ def test_batchnorm_on_2_processes_trains_like_1_process_with_the_whole_batch(tmp
 @pytest.mark.parametrize("processes", [1, 2, 3])
 def test_eval_counts_every_sample_once(out, processes):
     """359 eval images (a prime): uneven shards on any process count, still each sample counted once."""
-    result = run_train(
+    result = run_on(
+        processes,
         *QUICK, "--output_dir", str(out), "--global_batch_size", "96", "--per_device_train_batch_size", "16",
-        processes=processes,
     )  # fmt: skip
     assert_ok(result)
     assert_processes(out, processes)

@@ -1,10 +1,12 @@
 """Bad input costs one glance: an `error:` line naming the problem and the fix, exit code 2, nothing written.
 A run that fails later says so the same way, with its own exit code (65 diverged, 74 checkpoint write failed)."""
 
+import errno
 import math
 import re
 import sys
 
+import accelerate
 import numpy as np
 import pandas as pd
 import pytest
@@ -17,7 +19,7 @@ from tests.conftest import (
     launch_command,
     read_metrics,
     run_command,
-    run_train,
+    run_main,
     run_with_hook,
     signal_at,
 )
@@ -82,7 +84,7 @@ CASES = {
 def test_bad_input(case, tmp_path):
     build_args, pattern = CASES[case]
     out = tmp_path / "run"
-    result = run_train(*QUICK, "--output_dir", str(out), *build_args(tmp_path))
+    result = run_main(*QUICK, "--output_dir", str(out), *build_args(tmp_path))
     assert_error_line(result, pattern)
     assert not out.exists()  # nothing written for a run that never started
 
@@ -90,7 +92,7 @@ def test_bad_input(case, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("flags, env", [(["--debug", "true"], {}), ([], {"TRAIN_DEBUG": "1"})], ids=["flag", "env"])
 def test_debug_shows_the_traceback(tmp_path, flags, env):
-    result = run_train("--max_steps", "0", *flags, env=env)
+    result = run_main("--max_steps", "0", *flags, env=env)
     assert result.returncode != 0 and "Traceback (most recent call last)" in result.stderr
     assert "src.errors.UsageError: --max_steps must be > 0" in result.stderr  # the error itself, raised
 
@@ -102,7 +104,7 @@ def snapshot(directory):
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("done") / "run"
-    assert_ok(run_train(*QUICK, "--save_steps", "3", "--output_dir", str(out)))
+    assert_ok(run_main(*QUICK, "--save_steps", "3", "--output_dir", str(out)))
     return out
 
 
@@ -117,7 +119,7 @@ def finished_run(tmp_path_factory):
 )
 def test_existing_run_is_left_untouched(finished_run, args, pattern):
     before = snapshot(finished_run)
-    result = run_train(*QUICK, "--output_dir", str(finished_run), *args)
+    result = run_main(*QUICK, "--output_dir", str(finished_run), *args)
     assert_error_line(result, pattern)
     assert snapshot(finished_run) == before
 
@@ -130,7 +132,7 @@ def test_corrupt_checkpoint(finished_run, tmp_path):
         (checkpoint / source.name).write_bytes(source.read_bytes())
     (checkpoint / "model.safetensors").write_bytes(b"garbage")
     out = tmp_path / "run"
-    result = run_train(*QUICK, "--output_dir", str(out), "--resume_from_checkpoint", str(checkpoint))
+    result = run_main(*QUICK, "--output_dir", str(out), "--resume_from_checkpoint", str(checkpoint))
     assert_error_line(result, r"checkpoint .*step_3 does not fit this model/optimiser or is damaged")
     assert not out.exists()
 
@@ -148,11 +150,11 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_checkpoint(tmp_path):
     out = tmp_path / "run"
     frame = nan_rows(digits(), list(range(len(digits()))))
     clean = data_files(tmp_path, digits())
-    assert_ok(run_train("--max_steps", "22", "--save_steps", "10", "--output_dir", str(out), *clean))
+    assert_ok(run_main("--max_steps", "22", "--save_steps", "10", "--output_dir", str(out), *clean))
     (tmp_path / "nan").mkdir()
     broken = data_files(tmp_path / "nan", frame, digits("eval"))
-    result = run_train("--max_steps", "40", "--logging_steps", "5", "--save_steps", "10", "--output_dir", str(out),
-                       "--resume_from_checkpoint", "latest", *broken)  # fmt: skip
+    result = run_main("--max_steps", "40", "--logging_steps", "5", "--save_steps", "10", "--output_dir", str(out),
+                      "--resume_from_checkpoint", "latest", *broken)  # fmt: skip
     assert_error_line(result, r"loss became NaN/inf at step 23; the last checkpoint before it is intact", EXIT_DIVERGED)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_20", "step_22"]
 
@@ -161,8 +163,8 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_checkpoint(tmp_path):
 def test_skip_nonfinite_batches_trains_on(tmp_path):
     out = tmp_path / "run"
     frame = nan_rows(digits(), [0, 1, 2])  # 3 bad samples: the steps holding them are skipped
-    result = run_train("--max_steps", "44", "--logging_steps", "44", "--skip_nonfinite_batches", "true",
-                       "--output_dir", str(out), *data_files(tmp_path, frame, digits("eval")))  # fmt: skip
+    result = run_main("--max_steps", "44", "--logging_steps", "44", "--skip_nonfinite_batches", "true",
+                      "--output_dir", str(out), *data_files(tmp_path, frame, digits("eval")))  # fmt: skip
     assert_ok(result)
     last = read_metrics(out)[-2]
     assert 1 <= last["train/skipped_steps"] <= 6  # each epoch puts the 3 bad samples into 1 to 3 steps
@@ -171,20 +173,17 @@ def test_skip_nonfinite_batches_trains_on(tmp_path):
 
 
 @pytest.mark.slow
-def test_disk_full_during_checkpoint_keeps_the_previous_one(tmp_path):
+def test_disk_full_during_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
     out = tmp_path / "run"
-    disk_full = """
-import errno
-import accelerate
-original = accelerate.Accelerator.save_state
-def save_or_fail(self, output_dir=None, **kwargs):
-    if output_dir.endswith("step_20"):
-        raise OSError(errno.ENOSPC, "No space left on device")
-    return original(self, output_dir, **kwargs)
-accelerate.Accelerator.save_state = save_or_fail
-"""
-    result = run_with_hook(tmp_path, [*QUICK, "--max_steps", "30", "--save_steps", "10", "--output_dir", str(out)],
-                           extra=disk_full)  # fmt: skip
+    original = accelerate.Accelerator.save_state
+
+    def save_or_fail(self, output_dir=None, **kwargs):
+        if output_dir.endswith("step_20"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(self, output_dir, **kwargs)
+
+    monkeypatch.setattr(accelerate.Accelerator, "save_state", save_or_fail)
+    result = run_main(*QUICK, "--max_steps", "30", "--save_steps", "10", "--output_dir", str(out))
     assert_error_line(
         result, r"could not write checkpoint .*step_20 \(OSError: .*No space left on device\)", EXIT_WRITE_FAILED
     )

@@ -19,6 +19,8 @@ from tests.conftest import (
     free_port,
     read_metrics,
     run_command,
+    run_main,
+    run_on,
     run_python,
     run_snippet,
     run_train,
@@ -49,7 +51,7 @@ def train_on_1_and_2_processes(tmp_path_factory, name: str, args: dict[int, list
     runs = {}
     for processes, flags in args.items():
         runs[processes] = tmp_path_factory.mktemp(f"{name}{processes}") / "run"
-        assert_ok(run_train(*flags, "--output_dir", str(runs[processes]), processes=processes))
+        assert_ok(run_on(processes, *flags, "--output_dir", str(runs[processes])))
         assert_processes(runs[processes], processes)
     return runs
 
@@ -132,7 +134,7 @@ def test_eval_only_with_a_runs_own_config_evaluates_the_trained_model(classified
     shutil.copytree(classified[1], run)
     config = yaml.safe_load((run / "config.yaml").read_text())
     (run / "config.yaml").write_text(yaml.safe_dump({**config, "output_dir": str(run)}))
-    result = run_train("--config", str(run / "config.yaml"), "--do_train", "false")
+    result = run_main("--config", str(run / "config.yaml"), "--do_train", "false")
     assert_ok(result)
     assert f"using the model in {run / 'model'}; nothing is trained" in result.stderr
     final = [row for row in read_metrics(run) if "eval/accuracy" in row][-1]
@@ -194,10 +196,10 @@ def test_language_model_generates_the_same_text_on_1_and_2_processes(modeled, tm
     rows = {}
     for processes in (1, 2):
         out = tmp_path / f"p{processes}"
-        assert_ok(run_train("--task", "language_modeling", "--do_train", "false", "--do_eval", "false",
-                            "--do_predict", "true", "--model_name_or_path", str(modeled[1]), "--block_size", "64",
-                            "--max_new_tokens", "8", "--data_files", f"{{test: {prompts}}}", "--output_dir", str(out),
-                            "--per_device_eval_batch_size", "2", processes=processes))  # fmt: skip
+        assert_ok(run_on(processes, "--task", "language_modeling", "--do_train", "false", "--do_eval", "false",
+                         "--do_predict", "true", "--model_name_or_path", str(modeled[1]), "--block_size", "64",
+                         "--max_new_tokens", "8", "--data_files", f"{{test: {prompts}}}", "--output_dir", str(out),
+                         "--per_device_eval_batch_size", "2"))  # fmt: skip
         rows[processes] = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
     assert len(rows[1]) == len(texts) and rows[1] == rows[2]
     assert all(isinstance(row["generated"], str) for row in rows[1]) and any(row["generated"] for row in rows[1])
@@ -217,7 +219,7 @@ def test_packed_language_model_from_scratch(assets, tmp_path):
     args = language_modeling(assets, "--packing", "true", "--from_scratch", "true", "--config_overrides",
                              "n_layer=1,n_embd=32,n_head=2", "--max_steps", "4", "--per_device_train_batch_size", "4",
                              "--global_batch_size", "8", "--output_dir", str(out))  # fmt: skip
-    assert_ok(run_train(*args))
+    assert_ok(run_main(*args))
     rows = read_metrics(out)
     assert rows[1]["train/tokens_per_s"] == pytest.approx(rows[1]["train/samples_per_s"] * 64)  # full blocks
     config = json.loads((out / "model" / "config.json").read_text())
@@ -229,11 +231,11 @@ def test_resumed_text_classification_continues_bit_for_bit(assets, tmp_path):
     full, out = tmp_path / "full", tmp_path / "run"
     args = classification(assets, "--max_steps", "10", "--save_steps", "4", "--per_device_train_batch_size", "8",
                           "--global_batch_size", "16")  # fmt: skip
-    assert_ok(run_train(*args, "--output_dir", str(full)))
+    assert_ok(run_main(*args, "--output_dir", str(full)))
     resume = [*args, "--output_dir", str(out), "--resume_from_checkpoint", "latest"]
     killed = run_with_hook(tmp_path, resume, signal_at(6))
     assert killed.returncode != 0
-    assert_ok(run_with_hook(tmp_path, resume))
+    assert_ok(run_main(*resume))
     assert series(read_metrics(out), "train/loss") == series(read_metrics(full), "train/loss")  # bit for bit
     exported = out / "checkpoints" / "step_8" / "model"  # every checkpoint also in Hugging Face format
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in exported.iterdir()}
@@ -380,7 +382,7 @@ def test_gradient_checkpointing_and_bf16_with_a_transformers_model(assets, tmp_p
         out = tmp_path / name
         args = language_modeling(assets, "--max_steps", "4", "--per_device_train_batch_size", "8",
                                  "--global_batch_size", "8", "--output_dir", str(out), *flags)  # fmt: skip
-        assert_ok(run_train(*args))
+        assert_ok(run_main(*args))
         runs[name] = out
     torch.testing.assert_close(losses(runs["checkpointed"]), losses(runs["plain"]), rtol=0, atol=1e-5)
     bf16 = read_metrics(runs["bf16"])
@@ -416,15 +418,15 @@ def test_predictions_after_training_are_predict_only_s_with_the_input_ids(assets
     args = language_modeling(assets, "--packing", packing, "--max_steps", "2", "--global_batch_size", "8",
                              "--per_device_train_batch_size", "4", "--max_new_tokens", "8")  # fmt: skip
     args[args.index("--data_files") + 1] = data
-    assert_ok(run_train(*args, "--do_predict", "true", "--output_dir", str(out), processes=trained))
+    assert_ok(run_on(trained, *args, "--do_predict", "true", "--output_dir", str(out)))
     rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
     assert [row["id"] for row in rows] == [f"p{i}" for i in range(len(texts))]
     for count in predicting:
         alone = tmp_path / f"predict{count}"
-        assert_ok(run_train("--task", "language_modeling", "--do_train", "false", "--do_eval", "false",
-                            "--do_predict", "true", "--model_name_or_path", str(out / "model"), "--block_size", "64",
-                            "--max_new_tokens", "8", "--data_files", f"{{test: {prompts}}}",
-                            "--output_dir", str(alone), processes=count))  # fmt: skip
+        assert_ok(run_on(count, "--task", "language_modeling", "--do_train", "false", "--do_eval", "false",
+                         "--do_predict", "true", "--model_name_or_path", str(out / "model"), "--block_size", "64",
+                         "--max_new_tokens", "8", "--data_files", f"{{test: {prompts}}}",
+                         "--output_dir", str(alone)))  # fmt: skip
         assert [json.loads(line) for line in (alone / "predictions.jsonl").read_text().splitlines()] == rows
 
 

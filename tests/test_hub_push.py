@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.conftest import QUICK, run_train
+from tests.conftest import QUICK, run_main
 
 
 def test_push_to_hub_needs_the_hub_and_a_token(monkeypatch):
@@ -23,7 +23,7 @@ def test_push_to_hub_needs_the_hub_and_a_token(monkeypatch):
 
 def test_push_to_hub_offline_is_refused_before_training(tmp_path):
     out = tmp_path / "run"
-    result = run_train(*QUICK, "--output_dir", str(out), "--push_to_hub", "true", "--hub_model_id", "me/digits")
+    result = run_main(*QUICK, "--output_dir", str(out), "--push_to_hub", "true", "--hub_model_id", "me/digits")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
         "error: --push_to_hub needs the Hugging Face Hub but HF_HUB_OFFLINE is set; unset one of them"

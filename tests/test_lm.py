@@ -20,6 +20,8 @@ from tests.conftest import (
     assert_processes,
     read_metrics,
     run_command,
+    run_main,
+    run_on,
     run_python,
     run_train,
     run_with_hook,
@@ -66,7 +68,7 @@ def one_and_two_processes(tmp_path_factory):
     runs = {}
     for processes in (1, 2):
         output_dir = tmp_path_factory.mktemp(f"lm_p{processes}") / "run"
-        assert_ok(run_train(*LM, *SAME_RUN, "--output_dir", str(output_dir), processes=processes))
+        assert_ok(run_on(processes, *LM, *SAME_RUN, "--output_dir", str(output_dir)))
         assert_processes(output_dir, processes)
         runs[processes] = read_metrics(output_dir)
     return runs
@@ -139,7 +141,7 @@ def test_gradient_checkpointing_recomputes_and_trains_the_same(tmp_path):
 
 @pytest.mark.slow
 def test_unknown_task_arg_is_one_error_line(out):
-    result = run_train(*LM, "--output_dir", str(out), "--n_layers", "2")
+    result = run_main(*LM, "--output_dir", str(out), "--n_layers", "2")
     assert result.returncode == 2, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error:") and "n_layers" in last and "did you mean --n_layer?" in last, last

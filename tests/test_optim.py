@@ -9,7 +9,7 @@ import torch
 from src.config import TrainConfig
 from src.models.digits_cnn import DigitsCNN
 from src.optim import build_optimizer, build_scheduler, lr_factor
-from tests.conftest import assert_ok, read_metrics, run_train, series
+from tests.conftest import assert_ok, read_metrics, run_main, series
 
 
 @pytest.mark.parametrize("kind", ["cosine", "linear"])
@@ -81,9 +81,9 @@ def test_weight_decay_shrinks_only_the_decayed_parameters():
 @pytest.mark.slow
 def test_one_scheduler_step_per_optimiser_step(out):
     """With 2 micro-batches per optimiser step the logged LR after step s is the schedule's value at s, not at 2s."""
-    result = run_train("--max_steps", "10", "--warmup_steps", "4", "--logging_steps", "1", "--eval_steps", "1000",
-                       "--per_device_train_batch_size", "32", "--global_batch_size", "64",
-                       "--output_dir", str(out))  # fmt: skip
+    result = run_main("--max_steps", "10", "--warmup_steps", "4", "--logging_steps", "1", "--eval_steps", "1000",
+                      "--per_device_train_batch_size", "32", "--global_batch_size", "64",
+                      "--output_dir", str(out))  # fmt: skip
     assert_ok(result)
     rows = read_metrics(out)
     assert rows[0]["setup/gradient_accumulation"] == 2

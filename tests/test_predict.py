@@ -17,7 +17,17 @@ from src.checkpoint import TrainerState, rotate_checkpoints
 from src.cli import parse_config
 from src.config import TrainConfig
 from src.errors import UsageError
-from tests.conftest import REPO, assert_ok, read_metrics, run_command, run_train, run_with_hook, series, signal_at
+from tests.conftest import (
+    REPO,
+    assert_ok,
+    read_metrics,
+    run_command,
+    run_main,
+    run_on,
+    run_with_hook,
+    series,
+    signal_at,
+)
 
 DIGITS = REPO / "data" / "digits"
 TRAIN = ["--max_steps", "40", "--eval_steps", "10", "--logging_steps", "10"]
@@ -40,7 +50,7 @@ def folder_state(folder: Path) -> dict:
 def trained(tmp_path_factory) -> Path:
     """A short digits run (1 process) whose model/ the tests reuse."""
     output_dir = tmp_path_factory.mktemp("trained") / "run"
-    assert_ok(run_train(*TRAIN, "--output_dir", str(output_dir)))
+    assert_ok(run_main(*TRAIN, "--output_dir", str(output_dir)))
     return output_dir
 
 
@@ -58,10 +68,10 @@ def prime_input(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("processes", [1, 2])
 def test_eval_only_reproduces_the_runs_final_metrics_without_the_train_split(trained, tmp_path, processes):
     before = folder_state(trained)
-    result = run_train(
+    result = run_on(
+        processes,
         "--do_train", "false", "--model_name_or_path", str(trained / "model"), "--output_dir", str(tmp_path / "eval"),
         "--data_files", f"{{train: {tmp_path}/absent.parquet, eval: {DIGITS}/eval.parquet}}",  # never read
-        processes=processes,
     )  # fmt: skip
     assert_ok(result)
     final = [row for row in read_metrics(trained) if "eval/accuracy" in row][-1]
@@ -77,7 +87,7 @@ def test_eval_only_reproduces_the_runs_final_metrics_without_the_train_split(tra
 def test_eval_only_defaults_to_the_runs_own_model_and_writes_nothing_else(trained):
     """`python train.py --do_train false --output_dir RUN` evaluates RUN/model and adds only eval_results.json."""
     before = {name: state for name, state in folder_state(trained).items() if name != "eval_results.json"}
-    assert_ok(run_train("--do_train", "false", "--output_dir", str(trained)))
+    assert_ok(run_main("--do_train", "false", "--output_dir", str(trained)))
     after = {name: state for name, state in folder_state(trained).items() if name != "eval_results.json"}
     assert after == before
     final = [row for row in read_metrics(trained) if "eval/accuracy" in row][-1]
@@ -89,10 +99,11 @@ def test_predictions_of_a_prime_sized_input_are_the_same_on_1_2_and_3_processes(
     rows = {}
     for processes in (1, 2, 3):
         output_dir = tmp_path / f"p{processes}"
-        result = run_train(
+        result = run_on(
+            processes,
             "--do_train", "false", "--do_eval", "false", "--do_predict", "true", "--output_dir", str(output_dir),
             "--model_name_or_path", str(trained), "--data_files", f"{{test: {prime_input}}}",
-            "--per_device_eval_batch_size", "8", processes=processes,
+            "--per_device_eval_batch_size", "8",
         )  # fmt: skip
         assert_ok(result)
         rows[processes] = predictions(output_dir)
@@ -130,7 +141,7 @@ def test_test_split_is_evaluated_and_predicted_after_training(tmp_path):
     pd.read_parquet(DIGITS / "eval.parquet").head(31).to_parquet(test_file)
     files = f"{{train: {DIGITS}/train.parquet, eval: {DIGITS}/eval.parquet, test: {test_file}}}"
     out = tmp_path / "run"
-    assert_ok(run_train("--max_steps", "10", "--data_files", files, "--do_predict", "true", "--output_dir", str(out)))
+    assert_ok(run_main("--max_steps", "10", "--data_files", files, "--do_predict", "true", "--output_dir", str(out)))
     results = eval_results(out)
     assert results["test/num_samples"] == 31 and 0 <= results["test/accuracy"] <= 1
     assert {"eval/accuracy", "eval/loss", "test/loss"} <= set(results)
@@ -138,13 +149,13 @@ def test_test_split_is_evaluated_and_predicted_after_training(tmp_path):
     assert len(predictions(out)) == 31
 
 
-def best_run(tmp_path: Path, name: str, extra=(), hook: str = "pass"):
+def best_run(tmp_path: Path, name: str, extra=(), hook: str | None = None):
     """The *worst* accuracy is "best" (greater_is_better false): an early step, not the last, so the final weights
-    must really be replaced by an older checkpoint's."""
+    must really be replaced by an older checkpoint's. With a `hook`, a process of its own (run_with_hook)."""
     args = [*TRAIN, "--save_steps", "20", "--save_total_limit", "1", "--metric_for_best_model", "accuracy",
             "--greater_is_better", "false", "--load_best_model_at_end", "true", "--output_dir", str(tmp_path / name),
             *extra]  # fmt: skip
-    return run_with_hook(tmp_path, args, hook=hook)
+    return run_main(*args) if hook is None else run_with_hook(tmp_path, args, hook=hook)
 
 
 @pytest.mark.slow
@@ -160,7 +171,7 @@ def test_load_best_model_at_end_keeps_the_best_checkpoint_and_model_evaluates_to
     # rotation (save_total_limit 1) kept the best checkpoint beside the newest
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == sorted({f"step_{best_step}", "step_40"})
     # model/ holds the best weights: evaluated alone, it gives the best logged accuracy
-    assert_ok(run_train("--do_train", "false", "--output_dir", str(out)))
+    assert_ok(run_main("--do_train", "false", "--output_dir", str(out)))
     assert eval_results(out)["eval/accuracy"] == accuracy[best_step]
 
     # killed after the step-20 checkpoint and resumed: the same best step, the same model/
@@ -171,7 +182,7 @@ def test_load_best_model_at_end_keeps_the_best_checkpoint_and_model_evaluates_to
     assert "resuming from" in resumed.stderr and "step_20" in resumed.stderr
     summary = [row for row in read_metrics(tmp_path / "killed") if "best_model/step" in row]
     assert summary[-1]["best_model/step"] == best_step
-    assert_ok(run_train("--do_train", "false", "--output_dir", str(tmp_path / "killed")))
+    assert_ok(run_main("--do_train", "false", "--output_dir", str(tmp_path / "killed")))
     assert eval_results(tmp_path / "killed")["eval/accuracy"] == accuracy[best_step]
 
 
@@ -234,7 +245,7 @@ def test_best_model_settings_do_not_apply_without_training():
     ],
 )
 def test_bad_phase_settings_are_one_line(flags, message, tmp_path):
-    result = run_train(*flags, "--output_dir", str(tmp_path / "run"))
+    result = run_main(*flags, "--output_dir", str(tmp_path / "run"))
     assert result.returncode == 2, result.stderr[-2000:]
     assert message in result.stderr.strip().splitlines()[-1]
 
@@ -274,9 +285,9 @@ def test_tabular_and_causal_lm_models_evaluate_alone_as_at_the_end_of_training(t
     }
     for name, args in runs.items():
         out = tmp_path / name
-        assert_ok(run_train(*args, "--max_steps", "6", "--output_dir", str(out)))
+        assert_ok(run_main(*args, "--max_steps", "6", "--output_dir", str(out)))
         final = [row for row in read_metrics(out) if "eval/loss" in row][-1]
-        assert_ok(run_train(*args, "--do_train", "false", "--output_dir", str(out)))
+        assert_ok(run_main(*args, "--do_train", "false", "--output_dir", str(out)))
         assert eval_results(out)["eval/loss"] == pytest.approx(final["eval/loss"], rel=1e-6), name
 
 
@@ -305,7 +316,7 @@ def test_byte_language_model_generates_the_same_text_on_1_and_3_processes(tmp_pa
     """causal_lm --do_predict: greedy bytes after each of 5 prompts, left-padded to one length; rows in order."""
     args = ["--task", "causal_lm", "--config", "configs/lm.yaml", "--n_layer", "1", "--n_embd", "32",
             "--max_train_tokens", "40000", "--max_eval_tokens", "5000"]  # fmt: skip
-    assert_ok(run_train(*args, "--max_steps", "30", "--learning_rate", "1e-2", "--output_dir", str(tmp_path / "lm")))
+    assert_ok(run_main(*args, "--max_steps", "30", "--learning_rate", "1e-2", "--output_dir", str(tmp_path / "lm")))
     prompts = tmp_path / "prompts.jsonl"
     texts = ["def main():\n    ", "import ", "", "    return self.", "x" * 500]
     prompts.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
@@ -315,27 +326,23 @@ def test_byte_language_model_generates_the_same_text_on_1_and_3_processes(tmp_pa
         predict_args = ["--do_train", "false", "--do_eval", "false", "--do_predict", "true", "--max_new_tokens", "16",
                         "--model_name_or_path", str(tmp_path / "lm"), "--data_files", f"{{test: {prompts}}}",
                         "--output_dir", str(out)]  # fmt: skip
-        assert_ok(run_train(*args, *predict_args, processes=processes))
+        assert_ok(run_on(processes, *args, *predict_args))
         rows[processes] = predictions(out)
     assert len(rows[1]) == len(texts) and rows[1] == rows[3]
     assert any(row["generated"].strip() for row in rows[1])  # 30 steps learn some bytes of Python
 
 
-IDS_FAIL = """
-from src.errors import UsageError
-from src.tasks.digits import Digits
-def prediction_ids(self, split):
-    raise UsageError("the ids of this data cannot be read (simulated)")
-Digits.prediction_ids = prediction_ids
-"""
-
-
 @pytest.mark.slow
-def test_the_trained_model_is_saved_before_predictions_can_fail(tmp_path):
+def test_the_trained_model_is_saved_before_predictions_can_fail(tmp_path, monkeypatch):
     """What runs after training reads more data (the test split, ids): a failure there keeps the trained model."""
+    from src.tasks.digits import Digits
+
+    def prediction_ids(self, split):
+        raise UsageError("the ids of this data cannot be read (simulated)")
+
+    monkeypatch.setattr(Digits, "prediction_ids", prediction_ids)
     out = tmp_path / "run"
-    result = run_with_hook(tmp_path, ["--max_steps", "4", "--eval_steps", "1000", "--do_predict", "true",
-                                      "--output_dir", str(out)], extra=IDS_FAIL)  # fmt: skip
+    result = run_main("--max_steps", "4", "--eval_steps", "1000", "--do_predict", "true", "--output_dir", str(out))
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == "error: the ids of this data cannot be read (simulated)"
     assert (out / "model" / "model.safetensors").is_file() and not (out / "predictions.jsonl").exists()
@@ -375,7 +382,7 @@ def test_eval_only_from_a_run_takes_its_task_options_and_data_from_its_config(tm
     checkpoint, or the run's own config.yaml with another --output_dir: each evaluates the run's model to its eval."""
     run = tmp_path / "run"
     options = ["--n_layer", "1", "--n_embd", "32", "--max_train_tokens", "20000", "--max_eval_tokens", "5000"]
-    assert_ok(run_train("--task", "causal_lm", *options, "--max_steps", "6", "--output_dir", str(run)))
+    assert_ok(run_main("--task", "causal_lm", *options, "--max_steps", "6", "--output_dir", str(run)))
     final = [row for row in read_metrics(run) if "eval/loss" in row][-1]
     evaluations = {
         "run": ["--model_name_or_path", str(run)],  # results into the run's folder
@@ -385,7 +392,7 @@ def test_eval_only_from_a_run_takes_its_task_options_and_data_from_its_config(tm
         "config": ["--config", str(run / "config.yaml"), "--output_dir", str(tmp_path / "config")],
     }  # fmt: skip
     for name, args in evaluations.items():
-        assert_ok(run_train("--do_train", "false", *args))
+        assert_ok(run_main("--do_train", "false", *args))
         results = eval_results(run if name == "run" else tmp_path / name)
         assert results["eval/loss"] == final["eval/loss"], name
         assert results["eval/num_samples"] == final["eval/num_samples"], name

@@ -17,7 +17,7 @@ from tests.conftest import (
     logged_losses,
     read_metrics,
     run_command,
-    run_train,
+    run_main,
 )
 from tests.helpers import assert_bash_blocks_run, assert_error_line
 
@@ -75,7 +75,7 @@ def assert_close(losses: dict, expected: dict) -> None:
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     out = tmp_path_factory.mktemp("one") / "run"
-    assert_ok(run_train(*SAME_RUN, "--output_dir", str(out)))
+    assert_ok(run_main(*SAME_RUN, "--output_dir", str(out)))
     return logged_losses(out)
 
 

@@ -11,9 +11,9 @@ from tests.conftest import (
     assert_ok,
     assert_processes,
     read_metrics,
+    run_main,
     run_python,
     run_train,
-    run_with_hook,
     series,
 )
 from tests.helpers import needs
@@ -50,20 +50,20 @@ def test_the_notebook_runs(tmp_path):
 
 
 @pytest.mark.slow
-def test_auto_find_batch_size_keeps_the_global_batch(tmp_path):
+def test_auto_find_batch_size_keeps_the_global_batch(tmp_path, monkeypatch):
     """A simulated out-of-memory error above 16 samples per device: halve once, accumulate 4 batches instead."""
+    from src.tasks.digits import Digits
+
     out = tmp_path / "run"
-    oom_above_16 = """
-from src.tasks.digits import Digits
-loss = Digits.loss
-def loss_or_oom(self, model, batch):
-    if len(batch[0]) > 16:
-        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
-    return loss(self, model, batch)
-Digits.loss = loss_or_oom
-"""
-    result = run_with_hook(tmp_path, [*QUICK, "--output_dir", str(out), "--auto_find_batch_size", "true"],
-                           extra=oom_above_16)  # fmt: skip
+    loss = Digits.loss
+
+    def loss_or_oom(self, model, batch):
+        if len(batch[0]) > 16:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+        return loss(self, model, batch)
+
+    monkeypatch.setattr(Digits, "loss", loss_or_oom)
+    result = run_main(*QUICK, "--output_dir", str(out), "--auto_find_batch_size", "true")
     assert_ok(result)
     setup = read_metrics(out)[0]
     assert (setup["setup/per_device_batch"], setup["setup/gradient_accumulation"], setup["setup/global_batch"]) == (
@@ -90,8 +90,8 @@ def test_early_stopping_stops_every_process_at_the_same_step(tmp_path):
 @pytest.mark.slow
 def test_overfit_preset_drives_the_train_loss_to_zero(tmp_path):
     out = tmp_path / "run"
-    result = run_train("--config", "configs/default.yaml", "--config", "configs/debug/overfit.yaml",
-                       "--output_dir", str(out))  # fmt: skip
+    result = run_main("--config", "configs/default.yaml", "--config", "configs/debug/overfit.yaml",
+                      "--output_dir", str(out))  # fmt: skip
     assert_ok(result)
     assert series(read_metrics(out), "train/loss")[150] < 0.05
 
@@ -99,8 +99,8 @@ def test_overfit_preset_drives_the_train_loss_to_zero(tmp_path):
 @pytest.mark.slow
 def test_smoke_preset_and_profiler_trace(tmp_path):
     out = tmp_path / "run"
-    result = run_train("--config", "configs/default.yaml", "--config", "configs/debug/smoke.yaml",
-                       "--output_dir", str(out), "--profile_steps", "2")  # fmt: skip
+    result = run_main("--config", "configs/default.yaml", "--config", "configs/debug/smoke.yaml",
+                      "--output_dir", str(out), "--profile_steps", "2")  # fmt: skip
     assert_ok(result)
     assert read_metrics(out)[-1]["eval/num_samples"] == 64
     trace = json.loads((out / "profile" / "trace_rank0.json").read_text())
@@ -117,7 +117,7 @@ def test_smoke_preset_and_profiler_trace(tmp_path):
     ],
 )  # fmt: skip
 def test_unsupported_options_are_clear_errors(tmp_path, flags, message):
-    result = run_train(*QUICK, "--output_dir", str(tmp_path / "run"), *flags)
+    result = run_main(*QUICK, "--output_dir", str(tmp_path / "run"), *flags)
     assert result.returncode == 2
     assert message in result.stderr.strip().splitlines()[-1]
 
@@ -135,7 +135,7 @@ def test_torch_compile_trains_on_the_cpu_and_saves_plain_keys(tmp_path):
                          env={"TORCHINDUCTOR_CACHE_DIR": str(cache)}, timeout=600)  # fmt: skip
     assert_ok(compiled)
     assert any(path.suffix == ".py" for path in cache.rglob("*")), "inductor generated no code"
-    assert_ok(run_train(*flags, "--output_dir", str(tmp_path / "eager")))
+    assert_ok(run_main(*flags, "--output_dir", str(tmp_path / "eager")))
     losses, eager = (series(read_metrics(tmp_path / run), "train/loss") for run in ("compiled", "eager"))
     assert list(losses) == [1, 2, 3, 4] and all(math.isfinite(loss) for loss in losses.values())
     assert losses == pytest.approx(eager, abs=1e-5)
@@ -146,28 +146,26 @@ def test_torch_compile_trains_on_the_cpu_and_saves_plain_keys(tmp_path):
     for path in ("model/model.safetensors", "checkpoints/step_2/model.safetensors"):
         assert keys("compiled", path) == keys("eager", path) == ["1.bias", "1.weight"]
     checkpoint = str(tmp_path / "compiled" / "checkpoints" / "step_2")
-    assert_ok(run_train(*flags, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint", checkpoint))
+    assert_ok(run_main(*flags, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint", checkpoint))
     resumed = series(read_metrics(tmp_path / "resumed"), "train/loss")
     assert list(resumed) == [3, 4] and resumed == pytest.approx({3: eager[3], 4: eager[4]}, abs=1e-5)
 
 
-# the model's own output, inside Accelerate's autocast wrapper (which casts what leaves the model back to float32)
-RECORD_LOGITS_DTYPE = """
-from src.models.digits_cnn import DigitsCNN
-forward = DigitsCNN.forward
-def recording(self, images):
-    logits = forward(self, images)
-    print("LOGITS DTYPE", logits.dtype, flush=True)
-    return logits
-DigitsCNN.forward = recording
-"""
-
-
 @pytest.mark.slow
-def test_bf16_mixed_precision_trains_on_the_cpu(tmp_path, out):
-    result = run_with_hook(tmp_path, ["--max_steps", "30", "--logging_steps", "10", "--eval_steps", "1000",
-                                      "--mixed_precision", "bf16", "--output_dir", str(out)],
-                           extra=RECORD_LOGITS_DTYPE)  # fmt: skip
+def test_bf16_mixed_precision_trains_on_the_cpu(out, monkeypatch):
+    from src.models.digits_cnn import DigitsCNN
+
+    forward = DigitsCNN.forward
+
+    # the model's own output, inside Accelerate's autocast wrapper (which casts what leaves the model back to float32)
+    def recording(self, images):
+        logits = forward(self, images)
+        print("LOGITS DTYPE", logits.dtype, flush=True)
+        return logits
+
+    monkeypatch.setattr(DigitsCNN, "forward", recording)
+    result = run_main("--max_steps", "30", "--logging_steps", "10", "--eval_steps", "1000", "--mixed_precision", "bf16",
+                      "--output_dir", str(out))  # fmt: skip
     assert_ok(result)
     rows = read_metrics(out)
     assert rows[0]["setup/mixed_precision"] == "bf16"

@@ -18,6 +18,7 @@ from tests.conftest import (
     assert_processes,
     launch_command,
     read_metrics,
+    run_main,
     run_snippet,
     run_train,
     run_with_hook,
@@ -46,7 +47,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     out = tmp_path_factory.mktemp("one") / "run"
-    assert_ok(run_train(*RUN, "--output_dir", str(out)))
+    assert_ok(run_main(*RUN, "--output_dir", str(out)))
     return read_metrics(out)
 
 
@@ -135,7 +136,7 @@ def test_a_sharded_checkpoint_resumes_only_on_its_own_process_count(sharded, tmp
     config, out, _ = sharded
     other = tmp_path / "run"
     shutil.copytree(out / "checkpoints", other / "checkpoints")
-    result = run_train(*RUN, "--max_steps", "40", "--output_dir", str(other), "--resume_from_checkpoint", "latest")
+    result = run_main(*RUN, "--max_steps", "40", "--output_dir", str(other), "--resume_from_checkpoint", "latest")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
         f"error: checkpoint {other}/checkpoints/step_30 was saved by {STRATEGIES[config]} on 2 processes and this run "
@@ -173,7 +174,7 @@ def gpt2_run(hf_assets, per_device: int) -> list[str]:
 @pytest.fixture(scope="module")
 def gpt2_one_process(hf_assets, tmp_path_factory):
     out = tmp_path_factory.mktemp("gpt2_one") / "run"
-    assert_ok(run_train(*gpt2_run(hf_assets, 16), "--output_dir", str(out)))
+    assert_ok(run_main(*gpt2_run(hf_assets, 16), "--output_dir", str(out)))
     return read_metrics(out)
 
 

@@ -21,6 +21,7 @@ from tests.conftest import (
     logged_losses,
     read_metrics,
     run_command,
+    run_main,
     run_python,
     run_with_hook,
     series,
@@ -107,7 +108,8 @@ def uninterrupted(tmp_path_factory, shards):
     for processes, workers in ((1, 0), (2, 0), (1, 2)):
         out = tmp_path_factory.mktemp(f"stream_p{processes}_w{workers}") / "run"
         args = [*stream_args(shards, *RUN), "--dataloader_num_workers", str(workers), "--output_dir", str(out)]
-        assert_ok(run_with_hook(out.parent, args, processes=processes))
+        in_process = processes == 1 and workers == 0  # loader workers: forked from a process of their own
+        assert_ok(run_main(*args) if in_process else run_with_hook(out.parent, args, processes=processes))
         assert_processes(out, processes)
         runs[processes, workers] = read_metrics(out)
     return runs
@@ -136,7 +138,8 @@ def test_sigkill_mid_stream_then_resume_matches_uninterrupted(tmp_path, shards, 
     assert killed.returncode != 0
     assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step_20", "step_30"]
 
-    resumed = run_with_hook(tmp_path, args, processes=processes)  # the very same command
+    in_process = processes == 1 and workers == 0  # the very same command
+    resumed = run_main(*args) if in_process else run_with_hook(tmp_path, args, processes=processes)
     assert_ok(resumed)
     assert_processes(out, processes)  # both starts
     assert "resuming from" in resumed.stdout + resumed.stderr
@@ -198,7 +201,7 @@ def test_language_modeling_streams_the_same_on_one_and_two_processes(gpt2, tmp_p
                 "true", "--packing", "false", "--block_size", "64", "--dropout", "0", "--learning_rate", "1e-3",
                 "--max_steps", "8", "--global_batch_size", "16", "--per_device_train_batch_size", per_device,
                 "--logging_steps", "1", "--eval_steps", "1000", "--output_dir", str(out)]  # fmt: skip
-        assert_ok(run_with_hook(tmp_path, args, processes=processes))
+        assert_ok(run_main(*args) if processes == 1 else run_with_hook(tmp_path, args, processes=processes))
         assert_processes(out, processes)
     one, two = (series(read_metrics(runs[p]), "train/loss") for p in (1, 2))
     assert list(one) == list(two) == list(range(1, 9))

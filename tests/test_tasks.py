@@ -18,7 +18,15 @@ from src.tasks import BUILT_IN, build_task, task_class, task_name
 from src.tasks.base import Task, task_errors
 from src.tasks.digits import Digits
 from src.tasks.tabular import Tabular
-from tests.conftest import QUICK, REPO, assert_ok, launch_command, read_metrics, run_command, run_train, run_with_hook
+from tests.conftest import (
+    QUICK,
+    REPO,
+    assert_ok,
+    launch_command,
+    read_metrics,
+    run_command,
+    run_main,
+)
 from tests.helpers import needs
 
 
@@ -269,22 +277,23 @@ def test_a_run_that_failed_before_its_first_step_blocks_nothing(tmp_path):
 
 
 @pytest.mark.slow
-def test_task_failure_exits_70_and_the_same_command_then_runs(tmp_path):
+def test_task_failure_exits_70_and_the_same_command_then_runs(tmp_path, monkeypatch):
+    from src.tasks.digits import Digits
+
     out = tmp_path / "run"
-    broken = """
-from src.tasks.digits import Digits
-from src.tasks.tabular import Tabular
-def loss(self, model, batch):
-    inputs, labels = batch
-    return model(inputs.flatten(1)).sum()
-Digits.loss = loss
-"""
-    failed = run_with_hook(tmp_path, [*QUICK, "--output_dir", str(out)], extra=broken)
+
+    def loss(self, model, batch):
+        inputs, labels = batch
+        return model(inputs.flatten(1)).sum()
+
+    with monkeypatch.context() as broken:
+        broken.setattr(Digits, "loss", loss)
+        failed = run_main(*QUICK, "--output_dir", str(out))
     assert failed.returncode == EXIT_TASK_FAILED, failed.stderr[-2000:]
     last = failed.stderr.strip().splitlines()[-1]
     assert last.startswith("error: Digits.loss() failed on a batch [tensor float32 [32, 1, 8, 8], tensor int64 [32]]")
     assert "Traceback" not in failed.stderr
-    assert_ok(run_train(*QUICK, "--output_dir", str(out)))  # nothing left behind blocks the retry
+    assert_ok(run_main(*QUICK, "--output_dir", str(out)))  # nothing left behind blocks the retry
     assert [row["step"] for row in read_metrics(out) if "train/loss" in row] == [2, 4, 6]
 
 

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from tests.conftest import assert_ok, assert_processes, read_metrics, run_command, run_train, series
+from tests.conftest import assert_ok, assert_processes, read_metrics, run_command, run_main, series
 
 # 20 steps at the learning rate where 1 and 2 processes agree to float rounding (docs/how_it_works.md)
 SAME_RUN = ["--learning_rate", "1e-3", "--max_steps", "20", "--logging_steps", "1", "--eval_steps", "1000"]
@@ -18,7 +18,7 @@ def test_torchrun_two_processes_train_like_one(tmp_path):
     )  # run_command unsets any launcher variables of the calling environment
     assert_ok(result)
     assert_processes(tmp_path / "torchrun", 2)
-    assert_ok(run_train(*SAME_RUN, "--output_dir", str(tmp_path / "one")))
+    assert_ok(run_main(*SAME_RUN, "--output_dir", str(tmp_path / "one")))
     two, one = (read_metrics(tmp_path / run) for run in ("torchrun", "one"))
     losses_two, losses_one = series(two, "train/loss"), series(one, "train/loss")
     assert list(losses_two) == list(losses_one) == list(range(1, 21))

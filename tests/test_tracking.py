@@ -18,6 +18,7 @@ from tests.conftest import (
     launch_command,
     read_metrics,
     run_command,
+    run_main,
     run_python,
     run_with_hook,
     series,
@@ -78,7 +79,7 @@ def test_tensorboard_event_file_holds_the_logged_scalars(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "run"
-    assert_ok(run_command([*launch_command(1), *QUICK, "--output_dir", str(out), "--report_to", "tensorboard"]))
+    assert_ok(run_main(*QUICK, "--output_dir", str(out), "--report_to", "tensorboard"))
     events = EventAccumulator(str(out / TrainConfig.project_name))  # output_dir/project_name, hparams in a subfolder
     events.Reload()
     logged = {event.step: event.value for event in events.Scalars("train/loss")}
@@ -105,7 +106,7 @@ print("TRACKER MODULES:", loaded)
 @pytest.mark.slow
 def test_every_log_interval_has_the_throughput_and_memory_keys(tmp_path):
     out = tmp_path / "run"
-    assert_ok(run_command([*launch_command(1), *QUICK, "--output_dir", str(out)]))
+    assert_ok(run_main(*QUICK, "--output_dir", str(out)))
     rows = read_metrics(out)
     assert {"setup/world_size", "setup/mixed_precision", "setup/torch", "setup/accelerate"} <= set(rows[0])
     for row in (r for r in rows if "train/loss" in r):

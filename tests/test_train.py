@@ -6,7 +6,7 @@ import pytest
 from safetensors.torch import load_file
 
 from src.config import TrainConfig
-from tests.conftest import QUICK, assert_ok, read_metrics, run_train, series
+from tests.conftest import QUICK, assert_ok, read_metrics, run_main, series
 
 
 @pytest.mark.slow
@@ -40,16 +40,16 @@ def test_main_takes_a_config_object_or_cli_args(tmp_path, fresh_accelerate_state
 
 @pytest.mark.slow
 def test_existing_run_is_not_clobbered(out):
-    assert_ok(run_train(*QUICK, "--output_dir", str(out)))
+    assert_ok(run_main(*QUICK, "--output_dir", str(out)))
     before = (out / "metrics.jsonl").read_bytes()
-    result = run_train(*QUICK, "--output_dir", str(out), "--learning_rate", "0.1")
+    result = run_main(*QUICK, "--output_dir", str(out), "--learning_rate", "0.1")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith(f"error: {out} already holds a run")
     assert (out / "metrics.jsonl").read_bytes() == before
 
     (out / "mlflow.db").write_bytes(b"the previous run's")  # what --report_to mlflow,dvclive leaves (src/tracking.py)
     (out / "dvclive").mkdir()
-    assert_ok(run_train(*QUICK, "--output_dir", str(out), "--overwrite_output_dir", "true"))
+    assert_ok(run_main(*QUICK, "--output_dir", str(out), "--overwrite_output_dir", "true"))
     assert len(series(read_metrics(out), "train/loss")) == 3  # replaced, not appended
     assert not (out / "mlflow.db").exists() and not (out / "dvclive").exists()  # nothing of it mixes into this run
 
