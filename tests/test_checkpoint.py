@@ -119,7 +119,7 @@ def test_a_killed_launcher_takes_its_processes_along_through_a_preemption_checkp
     own, so nothing signals them. They find their launcher gone, save a preemption checkpoint at the next step
     boundary and exit; none is left 10 s later, and nothing (model/, eval results) is written after the checkpoint.
     When the ranks can't agree (rank 1 hangs, rank 0 then waits in a collective), the deadline ends both, unsaved.
-    Real processes, not the tests' fork server: the launcher is `accelerate launch` and its ranks are its children."""
+    Real processes: the launcher is `accelerate launch` and its ranks are its children."""
     out, pids = tmp_path / "run", tmp_path / "pids"
     pids.mkdir()
     record = f"open(f'{pids}/{{os.environ[\"RANK\"]}}', 'w').write(f'{{os.getpid()}} {{os.getppid()}}')"
