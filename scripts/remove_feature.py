@@ -25,10 +25,28 @@ def manifest() -> dict:
     return yaml.safe_load((REPO / "features.yaml").read_text()) or {}  # {}: every feature removed
 
 
+def refuse(message: str):
+    """Bad input: one line, exit 2, nothing removed."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def with_dependents(names: list[str]) -> list[str]:
+    """`names` and every feature that requires one of them (transitively): what removing them removes."""
+    features, found = manifest(), list(names)
+    for name in found:
+        if name not in features:
+            refuse(f"no feature {name!r} in features.yaml; one of: {', '.join(features)}")
+        found += [
+            other for other, feature in features.items() if name in feature.get("requires", []) and other not in found
+        ]
+    return found
+
+
 def feature_paths(name: str, root: Path) -> list[Path]:
     features = manifest()
     if name not in features:
-        sys.exit(f"error: no feature {name!r} in features.yaml; one of: {', '.join(features)}")
+        refuse(f"no feature {name!r} in features.yaml; one of: {', '.join(features)}")
     return [root / path for path in features[name]["paths"] if (root / path).exists()]
 
 
@@ -140,7 +158,7 @@ def main() -> int:
     parser.add_argument("--tests", choices=["none", "fast", "all"], default="none", help="--check: run these too")
     parser.add_argument("--list", action="store_true", help="list the features")
     args = parser.parse_args()
-    names = list(manifest()) if args.all else args.names
+    names = list(manifest()) if args.all else with_dependents(args.names)
     if args.list or not names:
         for name, feature in manifest().items():
             print(f"{name:16} {feature['help']}")

@@ -288,7 +288,7 @@ STDLIB = REPO / "data" / "stdlib"
 def stdlib_text(request) -> Path:
     """data/stdlib/{train,eval}.parquet (configs/lm.yaml's data), built once (a second or two) where missing, by one
     xdist worker while the others wait; git-ignored. Skipped where the gpt feature was removed."""
-    if not (REPO / "scripts" / "prepare_text.py").is_file():
+    if not (REPO / "src" / "features" / "gpt").is_dir():
         pytest.skip("the gpt feature is not in this project")
     with built_once(request, "stdlib"):
         if not all((STDLIB / f"{split}.parquet").is_file() for split in ("train", "eval")):

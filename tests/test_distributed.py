@@ -18,6 +18,7 @@ from tests.conftest import (
     run_python,
     series,
 )
+from tests.helpers import needs
 
 # Over 40 steps at this learning rate float32 round-off (different summation order in DDP's all-reduce)
 # stays below 1e-6; at higher rates training amplifies it, as it does for 1-process accumulation vs one batch.
@@ -136,12 +137,13 @@ def test_processes_that_form_no_group_are_refused(out, tmp_path):
     result = run_python(*command, *QUICK, "--output_dir", str(out))
     assert result.returncode != 0
     assert result.stderr.count("error: the launcher started 2 processes but they formed a group of 1") == 1
-    assert result.stderr.count("exitcode  : 2") == 2  # the launcher's report: both refused (their line said once)
+    # the launcher's report: a rank refused with 2 (the other may have been stopped by the launcher first)
+    assert result.stderr.count("exitcode  : 2") >= 1
     assert not out.exists()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["fsdp", "deepspeed_zero2"])
+@pytest.mark.parametrize("config", ["fsdp", pytest.param("deepspeed_zero2", marks=needs("deepspeed"))])
 def test_sharded_processes_that_form_no_group_are_refused(out, tmp_path, config):
     """The same guard under FSDP and DeepSpeed: without the gloo group src/strategy.py sets up, each process
     would be rank 0 of 1."""
@@ -153,7 +155,8 @@ def test_sharded_processes_that_form_no_group_are_refused(out, tmp_path, config)
     result = run_command([*command, *QUICK, "--output_dir", str(out), "--mixed_precision", "no"])
     assert result.returncode != 0
     assert result.stderr.count("error: the launcher started 2 processes but they formed a group of 1") == 1
-    assert result.stderr.count("exitcode  : 2") == 2  # the launcher's report: both refused (their line said once)
+    # the launcher's report: a rank refused with 2 (the other may have been stopped by the launcher first)
+    assert result.stderr.count("exitcode  : 2") >= 1
     assert not out.exists()
 
 

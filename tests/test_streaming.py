@@ -27,7 +27,7 @@ from tests.conftest import (
     series,
     signal_at,
 )
-from tests.helpers import assert_bash_blocks_run
+from tests.helpers import assert_bash_blocks_run, has_feature
 
 SHARDS = 8
 TINY = ["--task", "causal_lm", "--n_layer", "1", "--n_embd", "32", "--block_size", "32"]
@@ -182,6 +182,8 @@ def test_readme_streaming_commands_run_as_written(tmp_path):
 @pytest.fixture(scope="module")
 def gpt2(tmp_path_factory) -> tuple[str, str]:
     """A tiny GPT-2 with its tokenizer, and a jsonl text data set: offline (as tests/test_hf.py makes them)."""
+    if not has_feature("hf"):
+        pytest.skip("the hf feature is not in this project")
     pytest.importorskip("transformers")
     root = tmp_path_factory.mktemp("hf")
     assert_ok(run_python("scripts/make_tiny_model.py", "--kind", "gpt2", "--out", str(root / "gpt2")))
