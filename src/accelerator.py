@@ -25,14 +25,11 @@ PLAIN_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU")
 class Accelerator(accelerate.Accelerator):
     """`accelerate.Accelerator`; in a plain run its per-step calls skip the checks that have nothing to do."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.plain_strategy = self.distributed_type.value in PLAIN_TYPES and self.scaler is None  # fixed for the run
-
     @property
     def plain(self) -> bool:
-        """One process or DDP without a grad scaler: backward, clipping and the optimizer need no wrapper."""
-        return self.plain_strategy and not self.has_lomo_optimizer
+        """One process or DDP without a grad scaler: backward, clipping and the optimizer need no wrapper. Read at
+        each call: FSDP on CPU processes is switched on after the Accelerator is built (src/strategy.py)."""
+        return self.distributed_type.value in PLAIN_TYPES and self.scaler is None and not self.has_lomo_optimizer
 
     def accumulate(self, *models):
         """Upstream's context, except without accumulation: every micro-batch then ends a step, gradients always

@@ -50,3 +50,21 @@ def test_the_plain_calls_equal_upstream(accumulation, max_norm):
         torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7)
     if max_norm == math.inf:  # measured only: the norm is above the clipping threshold tested above
         assert ours[0] > 0.5
+
+
+def test_fsdp_switched_on_after_the_build_takes_upstreams_calls():
+    """FSDP on CPU processes becomes the distributed type after the Accelerator exists (src/strategy.py:
+    enable_fsdp_on_cpu): from then on the sharded model's gradients are clipped by upstream's DTensor-aware call."""
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import DistributedType
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    accelerator = Accelerator(cpu=True)
+    assert accelerator.plain
+    accelerator.state.distributed_type = DistributedType.FSDP
+    try:
+        assert not accelerator.plain
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
