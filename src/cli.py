@@ -19,7 +19,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 
 from src.config import TrainConfig, field_help
 from src.errors import UsageError, one_line
-from src.features import option_classes
+from src.features import option_classes, options_of
 from src.run_dir import CHECKPOINTS_DIR, CONFIG_FILE, MODEL_DIR, STATE_FILE
 from src.tasks import BUILT_IN, parse_task_options, task_class, task_name
 
@@ -229,6 +229,5 @@ def resolve_feature_args(given: dict) -> dict:
         raise UsageError(f"unknown feature options {', '.join(sorted(unknown))}: no installed feature has them")
     resolved = {}
     for options in classes:
-        names = {f.name for f in dataclasses.fields(options)}
-        resolved |= dataclasses.asdict(options(**{k: v for k, v in given.items() if k in names}))
+        resolved |= dataclasses.asdict(options_of(options, given))
     return resolved

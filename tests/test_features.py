@@ -34,7 +34,7 @@ def test_a_features_options_join_the_command_line_typed_and_checked(monkeypatch,
 
     monkeypatch.setattr(src.cli, "option_classes", lambda: [EchoOptions])
     config = src.cli.parse_config(["--echo_every", "3"])
-    assert options_of(EchoOptions, config) == EchoOptions(echo_every=3)
+    assert options_of(EchoOptions, config.feature_args) == EchoOptions(echo_every=3)
     assert config.to_dict()["echo_every"] == 3
     saved = tmp_path / "config.yaml"
     saved.write_text(yaml.safe_dump(config.to_dict()))

@@ -30,7 +30,7 @@ class Feature:
 
     def options(self, config):
         """This feature's options, typed, from the run's config."""
-        return options_of(self.Options, config)
+        return options_of(self.Options, config.feature_args)
 
     def check(self, config) -> None:
         """Before anything is read or written, on every process: bad input raises UsageError (one line, exit 2)."""
@@ -80,11 +80,11 @@ class Features(tuple):
             feature.on_end(accelerator, config, model_dir)
 
 
-def options_of(options_class: type, config):
-    """A feature's `Options` dataclass filled from the run's config (`config.feature_args`: every feature's options
-    by name, flat as on the command line)."""
+def options_of(options_class: type, values: dict):
+    """A feature's `Options` dataclass (its checks run) from `values`, every feature's options by name, flat as on the
+    command line and in `config.feature_args`."""
     names = {field.name for field in dataclasses.fields(options_class)}
-    return options_class(**{name: value for name, value in config.feature_args.items() if name in names})
+    return options_class(**{name: value for name, value in values.items() if name in names})
 
 
 @cache

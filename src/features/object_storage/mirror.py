@@ -66,7 +66,7 @@ class MirrorOptions:
 
 
 def mirror_url(config: TrainConfig) -> str | None:
-    return options_of(MirrorOptions, config).output_mirror
+    return options_of(MirrorOptions, config.feature_args).output_mirror
 
 
 @dataclass
@@ -263,7 +263,7 @@ def upload_checkpoint(accelerator, config: TrainConfig, checkpoint: Path, state:
         wait_for_upload()
         PENDING.append(Upload.start(mirror, checkpoint, output_dir, keep, keep_step))
 
-    background = options_of(MirrorOptions, config).output_mirror_async and not state.preempted
+    background = options_of(MirrorOptions, config.feature_args).output_mirror_async and not state.preempted
     on_main(accelerator, f"checkpoint {checkpoint.name}", config, upload_on_a_thread if background else upload_now)
 
 
