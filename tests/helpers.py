@@ -4,6 +4,7 @@ A test module imports from here or from conftest, never from another test module
 then takes nothing from the tests that stay (tests/test_layout.py checks it).
 """
 
+import ast
 import importlib.util
 import re
 import shlex
@@ -17,6 +18,20 @@ import torch
 from scripts.readme_commands import BASH_BLOCK, section_block
 from src.errors import EXIT_USAGE
 from tests.conftest import REPO, free_port, logged_losses, read_metrics, series
+
+# --- imports, read from the source ---
+
+
+def imported_names(nodes) -> set[str]:
+    """What the import statements among `nodes` (AST nodes) name: `import a.b` -> a.b; `from a import b` -> a, a.b."""
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
 
 # --- features (features.yaml) ---
 

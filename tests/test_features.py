@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO
+from tests.helpers import imported_names
 
 FEATURES = list(yaml.safe_load((REPO / "features.yaml").read_text()) or {})
 
@@ -87,14 +88,10 @@ def module_name(path: Path) -> str:
 def top_level_imports(path: Path) -> set[str]:
     """The modules a file imports when it is imported: its module-level statements (a function's own imports run
     only when called, as a feature's optional use of another does)."""
-    found = set()
-    for node in ast.parse(path.read_text()).body:
-        for inner in [node, *(ast.walk(node) if isinstance(node, ast.If | ast.Try) else [])]:
-            if isinstance(inner, ast.Import):
-                found |= {alias.name for alias in inner.names}
-            elif isinstance(inner, ast.ImportFrom) and inner.module:
-                found |= {inner.module} | {f"{inner.module}.{alias.name}" for alias in inner.names}
-    return found
+    body = ast.parse(path.read_text()).body  # and what an `if` or `try` at the top holds
+    return imported_names(
+        inner for node in body for inner in (ast.walk(node) if isinstance(node, ast.If | ast.Try) else [node])
+    )
 
 
 @pytest.mark.parametrize("name", FEATURES)

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 from tests.conftest import REPO
+from tests.helpers import imported_names
 
 
 def module_files() -> dict[str, Path]:
@@ -24,14 +25,7 @@ def runtime_imports(path: Path, modules: set[str]) -> set[str]:
         id(node) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
     }
     inside = {id(child) for node in ast.walk(tree) if id(node) in skipped for child in ast.walk(node)}
-    found = set()
-    for node in ast.walk(tree):
-        if id(node) in inside:
-            continue
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    found = imported_names(node for node in ast.walk(tree) if id(node) not in inside)
     ours = set()
     for name in found:
         parts = name.split(".")
@@ -97,12 +91,7 @@ def test_the_cycle_finder_finds_a_function_local_cycle(tmp_path):
 
 def imported_test_modules(path: Path) -> set[str]:
     """The tests.test_* modules that the file at `path` imports, anywhere in it (a function's import too)."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    found = imported_names(ast.walk(ast.parse(path.read_text())))
     return {name for name in found if re.match(r"(tests\.)?test_\w+$", name)}
 
 
