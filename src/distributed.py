@@ -20,7 +20,7 @@ from src.accelerator import Accelerator, keep_freed_host_memory
 from src.config import TrainConfig, resolve_global_batch
 from src.errors import UsageError, let_threads_settle, say
 from src.preemption import watch_launcher
-from src.strategy import accelerator_options, check_launch, check_strategy, enable_fsdp_on_cpu, partial_state_options
+from src.strategy import accelerator_options, check_launch, enable_fsdp_on_cpu, process_group_options
 from src.sync_batchnorm import convert_cpu_sync_batchnorm
 
 logger = logging.getLogger(__name__)
@@ -36,11 +36,12 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
 
     watch_launcher()  # a rank never outlives its launcher (src/preemption.py)
     use_cpu = not has_accelerator()
-    check_launch(use_cpu, config.mixed_precision, config.max_grad_norm)
+    check_launch(use_cpu, config)
     if use_cpu:
         keep_freed_host_memory()
         warn_if_more_processes_than_cores()
-    state = PartialState(**partial_state_options(use_cpu))  # forms the process group; its size fixes accumulation
+    strategy_options = accelerator_options(use_cpu, config)  # cpu, and what FSDP/DeepSpeed need
+    state = PartialState(**process_group_options(strategy_options))  # forms the group; its size fixes accumulation
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched != state.num_processes:
         raise UsageError(
@@ -51,7 +52,6 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
     options = {"mixed_precision": config.mixed_precision} if config.mixed_precision else {}
     if config.tf32 is not None and not use_cpu:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = config.tf32
-    strategy_options = accelerator_options(use_cpu, config.max_grad_norm)  # cpu, and what FSDP/DeepSpeed need
     try:
         accelerator = Accelerator(
             log_with=log_with,
@@ -76,7 +76,6 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
         raise UsageError(f"Accelerate cannot run this setup: {' '.join(str(err).split())}") from err
     if "fsdp_plugin" in strategy_options:  # FSDP on CPU processes: what Accelerate does for GPUs only
         enable_fsdp_on_cpu(accelerator, strategy_options["fsdp_plugin"])
-    check_strategy(accelerator, config)
     return accelerator
 
 

@@ -14,7 +14,6 @@ import torch
 
 from src.config import TrainConfig
 from src.errors import TrainingDiverged
-from src.strategy import ShardMemory
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +134,40 @@ def throughput_metrics(task, accelerator):
         return {"train/tokens_per_s": tokens_per_s, "train/mfu": mfu}
 
     return metrics
+
+
+class ShardMemory:
+    """The proof that a strategy shards: each process's parameter and optimiser-state bytes, measured on the prepared
+    objects once per start, after the first optimiser step (a torch optimiser's state exists only from then).
+    Logged as the largest over the processes: what has to fit on every device."""
+
+    def __init__(self, accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.accelerator, self.model, self.optimizer, self.logged = accelerator, model, optimizer, False
+
+    def metrics(self) -> dict:
+        """Call at the same step on every process (it gathers); {} after the first call."""
+        if self.logged:
+            return {}
+        self.logged = True
+        params = sum(local_bytes(p) for p in self.model.parameters())
+        # the torch optimizer handed to `prepare`: DeepSpeed's ZeRO optimizer and FSDP2 keep this process's part in it
+        states = [t for state in self.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+        sizes = torch.tensor(
+            [[params, sum(map(local_bytes, states))]], dtype=torch.float64, device=self.accelerator.device
+        )
+        largest = self.accelerator.gather(sizes).amax(dim=0).tolist()
+        return {"memory/param_bytes": int(largest[0]), "memory/optimizer_state_bytes": int(largest[1])}
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes this process holds of a tensor: a DTensor's local shard, a ZeRO-3 parameter's partition (`ds_tensor`;
+    its `.data` is empty between gathers), else the tensor."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
+    tensor = getattr(tensor, "ds_tensor", tensor)
+    return tensor.numel() * tensor.element_size()
 
 
 class TrainMeters:
