@@ -11,8 +11,8 @@ import yaml
 
 from src.cli import parse_config, resolve
 from src.config import TrainConfig, save_config
-from src.data import build_dataloaders, check_first_batch
 from src.errors import EXIT_TASK_FAILED, LaunchError, TaskFailed, UsageError, describe
+from src.loaders import build_dataloaders, check_first_batch
 from src.run_dir import trained_any_step
 from src.tasks import BUILT_IN, build_task, task_class, task_name
 from src.tasks.base import Task, task_errors

@@ -57,6 +57,9 @@ class Feature:
     def on_start(self, accelerator, config, resumed: bool) -> None:
         """The output directory is ready (a fresh start cleared it); training is about to start."""
 
+    def on_step(self, accelerator, config, step: int) -> None:
+        """After each optimiser step, on every process (keep it cheap: it runs at every step)."""
+
     def on_checkpoint(self, accelerator, config, checkpoint: Path, state) -> None:
         """On every process, after `checkpoint` was saved; `state` is its TrainerState."""
 
@@ -94,6 +97,10 @@ class Features(tuple):
     def on_start(self, accelerator, config, resumed: bool) -> None:
         for feature in self:
             feature.on_start(accelerator, config, resumed)
+
+    def on_step(self, accelerator, config, step: int) -> None:
+        for feature in self:
+            feature.on_step(accelerator, config, step)
 
     def on_checkpoint(self, accelerator, config, checkpoint: Path, state) -> None:
         for feature in self:
