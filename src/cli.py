@@ -31,12 +31,9 @@ FROM_THE_RUN += ("mixed_precision", "seed")
 
 
 def parse_config(argv: "list[str] | TrainConfig | None") -> TrainConfig:
-    """Defaults <- `--config file.yaml` <- `--field value` flags, type-checked; bad input raises UsageError.
-    `argv` None reads sys.argv; a TrainConfig (from Python) is resolved as it is.
-
-    The task is found first (`--task`, else the last --config file that names one, else digits) because its
-    options are part of the same command line.
-    """
+    """Defaults <- `--config file.yaml` <- `--field value` flags, type-checked; bad input raises UsageError. `argv`
+    None reads sys.argv; a TrainConfig (from Python) is resolved as it is. The task is found first (its options are
+    part of the same command line): `--task`, else the last --config file that names one, else digits."""
     if isinstance(argv, TrainConfig):
         return resolve(argv)
     argv = sys.argv[1:] if argv is None else argv

@@ -149,11 +149,8 @@ class TrainConfig:
 
 
 def normalize_report_to(value: str | list[str]) -> list[str]:
-    """'wandb', 'wandb,mlflow', ['wandb'], 'all' or 'none' -> a list of Accelerate tracker names.
-
-    'all' means the trackers whose packages are installed, as Accelerate picks them. A tracker named here whose
-    package is missing is an error now, before anything is written: Accelerate itself would drop it silently.
-    """
+    """'wandb', 'wandb,mlflow', ['wandb'], 'all' (those installed, as Accelerate picks them) or 'none' -> a list of
+    Accelerate tracker names. A tracker whose package is missing is an error now: Accelerate would drop it silently."""
     from accelerate import tracking
     from accelerate.utils import LoggerType
 
