@@ -68,8 +68,9 @@ class Feature:
 
 
 class Features(tuple):
-    """Every installed feature, called as one: `features.on_checkpoint(...)` calls each feature's hook in turn; the
-    hooks that return something give the first feature's answer that is not None."""
+    """Every installed feature, called as one: `features.on_checkpoint(...)` calls each feature's hook in turn;
+    `accelerator_options` and `train_loader` give the first answer that is not None, `adapt_model` passes the model
+    through each."""
 
     def check_launch(self, use_cpu: bool, config) -> None:
         for feature in self:
