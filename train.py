@@ -29,13 +29,13 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from src import (
+    batches,
     checkpoint,
-    data,
     distributed,
     errors,
     features,
     final_model,
-    index_batches,
+    loaders,
     meters,
     optim,
     run_dir,
@@ -99,12 +99,12 @@ def set_up(config: TrainConfig, training: bool) -> Setup:
     set_seed(config.seed)  # same seed on every process: identical initial weights, like a broadcast
     task = tasks.build_task(config)
     pin_memory = accelerator.device.type == "cuda"
-    train_loader, eval_loader = data.build_loaders(task, config, accelerator, training, pin_memory)
-    test_loader = data.build_test_loader(task, config, pin_memory)  # None when the data has no test split
-    predict_split = data.predicted_split(config)  # --do_predict: the test split, else the eval split
-    predict_loader = data.build_predict_loader(task, config, predict_split)  # the task's prediction inputs, or None
+    train_loader, eval_loader = loaders.build_loaders(task, config, accelerator, training, pin_memory)
+    test_loader = loaders.build_test_loader(task, config, pin_memory)  # None when the data has no test split
+    predict_split = loaders.predicted_split(config)  # --do_predict: the test split, else the eval split
+    predict_loader = loaders.build_predict_loader(task, config, predict_split)  # the task's prediction inputs, or None
     model = task.load_model(config.model_name_or_path) if config.model_name_or_path else task.build_model()
-    model = strategy.cast_inputs_for_deepspeed(distributed.sync_batchnorm(model, accelerator), accelerator)
+    model = features.installed().adapt_model(distributed.sync_batchnorm(model, accelerator), accelerator)
     if config.gradient_checkpointing:
         distributed.enable_gradient_checkpointing(model)
     metric = load_metrics(task.metrics if config.metrics is None else config.metrics)
@@ -116,9 +116,10 @@ def set_up(config: TrainConfig, training: bool) -> Setup:
     )
     saved_model = model  # without compilation: its state dict's keys are the model's own
     if config.torch_compile:
-        model = distributed.compile_model(model, config.torch_compile_mode)
-    loaders = train_loader, eval_loader, test_loader, predict_loader
-    return Setup(accelerator, task, model, saved_model, metric, *loaders, predict_split, optimizer)
+        # outside DDP/FSDP, as Accelerate's own `dynamo_backend`; checkpoints save `saved_model` (no `_orig_mod.` keys)
+        model = torch.compile(model, mode=config.torch_compile_mode)
+    prepared = train_loader, eval_loader, test_loader, predict_loader
+    return Setup(accelerator, task, model, saved_model, metric, *prepared, predict_split, optimizer)
 
 
 def train(config: TrainConfig) -> dict:
@@ -127,14 +128,14 @@ def train(config: TrainConfig) -> dict:
     run = set_up(config, training=True)
     accelerator, task, model, metric, eval_loader = run.accelerator, run.task, run.model, run.metric, run.eval_loader
     accumulation = accelerator.gradient_accumulation_steps
-    batch = data.global_batch(config, accelerator)  # the same on any process count
+    batch = loaders.global_batch(config, accelerator)  # the same on any process count
 
     # --- how long: counted in optimiser steps, each seeing the same global batch on any process count ---
-    steps_per_epoch = data.steps_per_epoch(run.train_loader, accumulation)  # None: a stream has no length
+    steps_per_epoch = batches.steps_per_epoch(run.train_loader, accumulation)  # None: a stream has no length
     total_steps = config.max_steps if config.max_steps > 0 else math.ceil(config.num_train_epochs * steps_per_epoch)
     lr_scheduler = optim.build_scheduler(run.optimizer, config, total_steps)  # stepped once per optimiser step
     accelerator.register_for_checkpointing(lr_scheduler)
-    position = data.DataPosition()  # where training is in its data: a stream's is in every checkpoint
+    position = batches.DataPosition()  # where training is in its data: a stream's is in every checkpoint
     if steps_per_epoch is None:
         accelerator.register_for_checkpointing(position)
 
@@ -145,7 +146,7 @@ def train(config: TrainConfig) -> dict:
     features.installed().before_resume(accelerator, config)  # e.g. a newer checkpoint fetched from object storage
     state, resumed = checkpoint.resume(accelerator, config, state)  # --resume_from_checkpoint: the checkpoint's state
     if steps_per_epoch:  # data of known length: the position follows from the step
-        position = data.DataPosition(*divmod(state.step, steps_per_epoch))
+        position = batches.DataPosition(*divmod(state.step, steps_per_epoch))
 
     # --- the run directory and trackers: only now that all input has been validated ---
     run_dir.prepare_output_dir(accelerator, config, resume_step=state.step if resumed else None)
@@ -158,12 +159,10 @@ def train(config: TrainConfig) -> dict:
     meter = meters.TrainMeters(accelerator, task, model, run.optimizer, config, state)
     best = BestEvaluation(config, state)  # a new best model is checkpointed; early stopping
     progress = tracking.progress_bar(accelerator, total_steps, initial=step)
-    profiler = meters.step_profiler(config, accelerator)  # --profile_steps
     export = partial(final_model.export_model, accelerator, task, run.saved_model) if task.export_checkpoints else None
-    batches = index_batches.train_data(accelerator, run.train_loader, config, task.collate_fn())  # by index if it can
-    windows = data.train_windows(batches, accumulation, position) if step < total_steps else []  # [] for a finished run
+    source = batches.train_data(accelerator, run.train_loader, config, task.collate_fn())  # by index if it can
+    windows = batches.train_windows(source, accumulation, position) if step < total_steps else []  # []: a run finished
     norm_every_step = bool(config.max_grad_norm or config.skip_nonfinite_batches)  # else at log steps only
-    profiler.start()
     model.train()
     # SIGTERM/SIGUSR1 -> checkpoint (handlers restored however we leave); an error in the task's code -> one line
     with PreemptionSignals(accelerator) as preemption, tasks.task_errors(task):
@@ -174,7 +173,7 @@ def train(config: TrainConfig) -> dict:
             lr_scheduler.step()
             step += 1
             progress.update()
-            profiler.step()
+            features.installed().on_step(accelerator, config, step)  # e.g. the profiler's
             if log_now:
                 epoch = step / steps_per_epoch if steps_per_epoch else position.epoch
                 logged = meter.log_step(step, lr_scheduler.get_last_lr()[0], grad_norm, epoch)
@@ -198,7 +197,6 @@ def train(config: TrainConfig) -> dict:
             if step >= total_steps:
                 break
         progress.close()
-        profiler.stop()
 
         final_metrics = finish_training(run, config, state, best, eval_metrics, step)
     distributed.end_training(accelerator)  # and a moment for gloo's threads: see src/distributed.py

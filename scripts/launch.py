@@ -88,7 +88,7 @@ def check_machine(config) -> str | None:
     }
     try:
         with patch_environment(**launched):
-            check_launch(use_cpu=not has_accelerator(), mixed_precision=None)
+            check_launch(use_cpu=not has_accelerator())
     except LaunchError as err:
         return str(err)
     return None

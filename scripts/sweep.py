@@ -44,7 +44,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from src.errors import UsageError, command_line  # noqa: E402
+from src.errors import UsageError, command_line, one_line  # noqa: E402
 
 POLL_SECONDS = 0.1  # how often a running trial's metrics.jsonl is read (a stat and a short read)
 STOP_GRACE_SECONDS = 15  # after SIGTERM (train.py saves a checkpoint and exits 75), then SIGKILL
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         storage = optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT, grace_period=3 * HEARTBEAT)
     except Exception as err:  # sqlalchemy: no driver, no server, no access; each its own class
-        raise UsageError(f"--storage {shown}: {' '.join(str(err).split())[:300]}") from None
+        raise UsageError(f"--storage {shown}: {one_line(err)[:300]}") from None
     output_dir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill`: stop the running trial too, as Ctrl-C does
     study = optuna.create_study(
@@ -170,7 +170,7 @@ def load_space(path: Path, train_args: list[str]) -> Space:
     try:
         spec = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
-        raise UsageError(f"search space {path} is not valid YAML: {' '.join(str(err).split())}") from None
+        raise UsageError(f"search space {path} is not valid YAML: {one_line(err)}") from None
     problem = lambda message: UsageError(f"search space {path}: {message}")  # noqa: E731
     keys = {"metric", "direction", "fixed", "parameters", "pruner", "sampler"}
     for key in spec if isinstance(spec, dict) else ():

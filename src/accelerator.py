@@ -1,12 +1,10 @@
 """Accelerate's `Accelerator`, with the per-step calls the loop makes costing no more than plain torch calls.
 
-train.py speaks Accelerate's own words: `accelerator.accumulate(model)`, `accelerator.backward(loss)`,
-`accelerator.clip_grad_norm_(...)`, the prepared optimizer's `step()` and `zero_grad()`. In a plain run (one process
-or DDP, no fp16 grad scaler) each of those upstream calls does checks that do nothing but cost time, about as much as
-a tiny model's whole step (docs/benchmark.md): a generator-based context per micro-batch, a division by 1, a scan for
-DTensor parameters, `inspect.signature` on every `zero_grad`. This subclass skips only those, behind the same names;
-under DeepSpeed, FSDP, XLA or a grad scaler every call is Accelerate's own. tests/test_accelerator.py checks that
-each call gives what upstream gives.
+In a plain run (one process or DDP, no fp16 grad scaler) `accumulate`, `backward`, `clip_grad_norm_` and the prepared
+optimizer's `step`/`zero_grad` do checks that only cost time, about as much as a tiny model's whole step
+(docs/benchmark.md): a generator-based context per micro-batch, a division by 1, a scan for DTensor parameters,
+`inspect.signature` on every `zero_grad`. This subclass skips only those, behind the same names; under DeepSpeed,
+FSDP, XLA or a grad scaler every call is Accelerate's own. tests/test_accelerator.py checks each gives upstream's.
 """
 
 import contextlib
@@ -77,12 +75,11 @@ class PlainOptimizer(AcceleratedOptimizer):
 
 
 def keep_freed_host_memory() -> None:
-    """On the CPU, stop glibc's malloc from giving each step's freed activations back to the OS, only to page-fault
-    them in again at the next step: page faults whose count differs from process to process and moves the speed of
-    the same loop (docs/benchmark.md). Fixed thresholds stop it: blocks under 32 MB come from the heap (glibc's
-    default starts at 128 KB and moves), and up to 1 GB free at its top is kept.
-    Peak memory is unchanged; memory freed after the peak may stay with the process. glibc only, and not when
-    GLIBC_TUNABLES sets malloc options (yours win)."""
+    """On the CPU, stop glibc's malloc from giving each step's freed activations back to the OS only to page-fault
+    them in again at the next step, which moves the speed of the same loop from process to process
+    (docs/benchmark.md): blocks under 32 MB come from the heap (glibc's default threshold starts at 128 KB and moves),
+    and up to 1 GB free at its top is kept. Peak memory is unchanged. glibc only, and not when GLIBC_TUNABLES sets
+    malloc options (yours win)."""
     import ctypes
 
     libc = os.confstr("CS_GNU_LIBC_VERSION") if "CS_GNU_LIBC_VERSION" in getattr(os, "confstr_names", {}) else ""

@@ -1,10 +1,10 @@
 """Checkpoints and exact resume.
 
-A checkpoint is `output_dir/checkpoints/step_<N>/`: `accelerator.save_state` (model, optimiser, LR scheduler,
-every process's RNG states) plus `trainer_state.json` (step, partial loss window, batch geometry, tracker run id)
-and the resolved `config.yaml`. It is written under a temporary name and renamed when complete, so a kill during
-a write never leaves a "latest" that fails to load. For data of known length the position in the data needs no
-saving: with the seedable sampler it follows from the step (src/data.py's `DataPosition`); a stream's is saved.
+A checkpoint is `output_dir/checkpoints/step_<N>/`: `accelerator.save_state` (model, optimiser, LR scheduler, every
+process's RNG states) plus `trainer_state.json` (step, partial loss window, batch geometry, tracker run id) and the
+resolved `config.yaml`, written under a temporary name and renamed when complete: a kill during a write never leaves
+a "latest" that fails to load. The position in data of known length follows from the step (src/batches.py's
+`DataPosition`); a stream's is saved.
 """
 
 import json
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from src.config import TrainConfig, save_config
-from src.errors import CheckpointWriteFailed, UsageError
+from src.errors import CheckpointWriteFailed, UsageError, one_line
 from src.run_dir import CHECKPOINTS_DIR, CONFIG_FILE, MODEL_DIR, STATE_FILE, TMP_PREFIX
 
 logger = logging.getLogger(__name__)
@@ -87,10 +87,9 @@ def complete_checkpoints(output_dir: Path) -> list[Path]:
 
 def save_checkpoint(accelerator, config: TrainConfig, state: TrainerState, export=None) -> Path:
     """All processes call this (DeepSpeed and FSDP save shards from every rank); it returns once the rename is done.
-    `export(directory)`, if given, also writes the model in the task's own format into the checkpoint's model/.
-
-    A failed write (disk full, quota) on any process is agreed on by all, the partial folder is removed, and the
-    run stops with an error: the previous checkpoints were never touched.
+    `export(directory)`, if given, also writes the model in the task's own format into the checkpoint's model/. A
+    failed write (disk full, quota) on any process is agreed on by all, the partial folder is removed, and the run
+    stops with an error: the previous checkpoints were never touched.
     """
     final = checkpoint_dir(config.output_dir, state.step)
     root = final.parent
@@ -157,7 +156,7 @@ def load_checkpoint(accelerator, path: Path, expected: TrainerState) -> TrainerS
     try:
         accelerator.load_state(str(path))
     except Exception as err:  # torch, safetensors and pickle each raise their own kinds for a bad file
-        message = " ".join(str(err).split())[:300]
+        message = one_line(err)[:300]
         raise UsageError(f"checkpoint {path} does not fit this model/optimiser or is damaged: {message}") from err
     return replace(state, world_size=expected.world_size, strategy=expected.strategy)  # this run's, from now
 

@@ -31,12 +31,9 @@ FROM_THE_RUN += ("mixed_precision", "seed")
 
 
 def parse_config(argv: "list[str] | TrainConfig | None") -> TrainConfig:
-    """Defaults <- `--config file.yaml` <- `--field value` flags, type-checked; bad input raises UsageError.
-    `argv` None reads sys.argv; a TrainConfig (from Python) is resolved as it is.
-
-    The task is found first (`--task`, else the last --config file that names one, else digits) because its
-    options are part of the same command line.
-    """
+    """Defaults <- `--config file.yaml` <- `--field value` flags, type-checked; bad input raises UsageError. `argv`
+    None reads sys.argv; a TrainConfig (from Python) is resolved as it is. The task is found first (its options are
+    part of the same command line): `--task`, else the last --config file that names one, else digits."""
     if isinstance(argv, TrainConfig):
         return resolve(argv)
     argv = sys.argv[1:] if argv is None else argv
@@ -160,9 +157,7 @@ def build_parser(name: str, task_cls):
     for options in option_classes():
         parser.add_class_arguments(options, as_group=False)
     parser.add_class_arguments(task_cls.Options, as_group=True)
-    helps = {**field_help(TrainConfig), **field_help(task_cls.Options)}
-    for options in option_classes():
-        helps |= field_help(options)
+    helps = {k: v for cls in [TrainConfig, *option_classes(), task_cls.Options] for k, v in field_help(cls).items()}
     for action in parser._actions:  # jsonargparse takes help from docstrings; ours are the fields' comments
         if action.dest in helps:
             action.help = helps[action.dest]
@@ -210,14 +205,8 @@ def resolve(config: TrainConfig) -> TrainConfig:
         data_files = cls.default_data_files  # none: a task whose data is its own (src/data.py says so if it reads)
     output_dir = config.output_dir or f"runs/{task_name(config.task)}"
     model = config.model_name_or_path or (None if config.do_train else f"{output_dir}/model")  # the run's own model
-    return dataclasses.replace(
-        config,
-        task_args=options,
-        feature_args=feature_args,
-        data_files=data_files,
-        output_dir=output_dir,
-        model_name_or_path=model,
-    )
+    resolved = {"data_files": data_files, "output_dir": output_dir, "model_name_or_path": model}
+    return dataclasses.replace(config, task_args=options, feature_args=feature_args, **resolved)
 
 
 def resolve_feature_args(given: dict) -> dict:

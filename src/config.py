@@ -20,6 +20,14 @@ from src.errors import UsageError
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 
 
+# What each number may be: TrainConfig refuses others with one line naming them all
+POSITIVE = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps")
+POSITIVE += ("learning_rate", "num_train_epochs", "logging_steps", "eval_steps")
+NON_NEGATIVE = ("weight_decay", "warmup_steps", "max_grad_norm", "dataloader_num_workers", "save_steps")
+POSITIVE_OR_NONE = ("global_batch_size", "save_total_limit", "max_train_samples", "max_eval_samples")
+POSITIVE_OR_NONE += ("max_predict_samples", "early_stopping_patience")
+
+
 @dataclass
 class TrainConfig:
     # --- run ---
@@ -91,46 +99,18 @@ class TrainConfig:
     early_stopping_patience: int | None = None  # stop after N evaluations without improvement
     early_stopping_metric: str = "eval/loss"  # any logged eval key
     early_stopping_mode: Literal["min", "max"] = "min"  # whether lower or higher is better
-    profile_steps: int = 0  # > 0: record a torch.profiler trace of that many steps to output_dir/profile/
     metrics: list[str] | None = None  # accuracy (built in), src/evaluate_metrics/<name>, a path; None: the task's
 
     def __post_init__(self):
         self.report_to = normalize_report_to(self.report_to)
-        problems = [
-            f"--{name} must be > 0 (got {getattr(self, name)})"
-            for name in (
-                "per_device_train_batch_size",
-                "per_device_eval_batch_size",
-                "gradient_accumulation_steps",
-                "learning_rate",
-                "num_train_epochs",
-                "logging_steps",
-                "eval_steps",
-            )
-            if getattr(self, name) <= 0
-        ]
+        values = {name: getattr(self, name) for name in (*POSITIVE, *NON_NEGATIVE, *POSITIVE_OR_NONE)}
+        problems = [f"--{name} must be > 0 (got {values[name]})" for name in POSITIVE if values[name] <= 0]
+        problems += [f"--{name} must be >= 0 (got {values[name]})" for name in NON_NEGATIVE if values[name] < 0]
         problems += [
-            f"--{name} must be >= 0 (got {getattr(self, name)})"
-            for name in (
-                "weight_decay",
-                "warmup_steps",
-                "max_grad_norm",
-                "dataloader_num_workers",
-                "save_steps",
-                "profile_steps",
-            )
-            if getattr(self, name) < 0
+            f"--{name} must be > 0 or null (got {values[name]})"
+            for name in POSITIVE_OR_NONE
+            if values[name] is not None and values[name] <= 0
         ]
-        for name in (
-            "global_batch_size",
-            "save_total_limit",
-            "max_train_samples",
-            "max_eval_samples",
-            "max_predict_samples",
-            "early_stopping_patience",
-        ):
-            if getattr(self, name) is not None and getattr(self, name) <= 0:
-                problems.append(f"--{name} must be > 0 or null (got {getattr(self, name)})")
         if self.max_steps == 0 or self.max_steps < -1:
             problems.append(f"--max_steps must be > 0, or -1 to train for num_train_epochs (got {self.max_steps})")
         if self.output_dir and "://" in self.output_dir:
@@ -169,11 +149,8 @@ class TrainConfig:
 
 
 def normalize_report_to(value: str | list[str]) -> list[str]:
-    """'wandb', 'wandb,mlflow', ['wandb'], 'all' or 'none' -> a list of Accelerate tracker names.
-
-    'all' means the trackers whose packages are installed, as Accelerate picks them. A tracker named here whose
-    package is missing is an error now, before anything is written: Accelerate itself would drop it silently.
-    """
+    """'wandb', 'wandb,mlflow', ['wandb'], 'all' (those installed, as Accelerate picks them) or 'none' -> a list of
+    Accelerate tracker names. A tracker whose package is missing is an error now: Accelerate would drop it silently."""
     from accelerate import tracking
     from accelerate.utils import LoggerType
 
@@ -220,24 +197,18 @@ def field_help(cls) -> dict[str, str]:
     """name -> the comment at the end of the field's line in the dataclass's source (the --help text), the base
     dataclasses' fields included (e.g. the Hugging Face tasks' AdapterOptions)."""
     comments = {}
-    for base in reversed(cls.__mro__):
-        if dataclasses.is_dataclass(base):
-            comments |= own_field_help(base)
+    for base in [c for c in reversed(cls.__mro__) if dataclasses.is_dataclass(c)]:
+        try:
+            source = textwrap.dedent(inspect.getsource(base))
+        except (OSError, TypeError):
+            continue
+        lines = source.splitlines()
+        comments |= {
+            node.target.id: lines[node.lineno - 1].split("  # ", 1)[1]
+            for node in ast.parse(source).body[0].body
+            if isinstance(node, ast.AnnAssign) and "  # " in lines[node.lineno - 1]
+        }
     return comments
-
-
-def own_field_help(cls) -> dict[str, str]:
-    try:
-        source = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):
-        return {}
-    lines = source.splitlines()
-    class_node = ast.parse(source).body[0]
-    return {
-        node.target.id: lines[node.lineno - 1].split("  # ", 1)[1]
-        for node in class_node.body
-        if isinstance(node, ast.AnnAssign) and "  # " in lines[node.lineno - 1]
-    }
 
 
 def save_config(config: TrainConfig, path: Path) -> None:

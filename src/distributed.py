@@ -1,12 +1,9 @@
-"""Build the Accelerator so one command trains the same way on CPU, one GPU or N processes.
-
-The traps this module closes (docs/how_it_works.md):
-- On a machine without GPUs, `accelerate launch --multi_gpu` or `torchrun` with a plain `Accelerator()` starts N
-  processes that never form a group: N independent trainings, silently. We pass `cpu=True` there, which gives
-  real gloo DDP, and refuse to run if the launcher's world size and the accelerator's disagree.
-- The global batch must not change with the process count: `global_batch_size` fixes it and accumulation is
-  derived from it.
-- The seedable sampler makes the data order independent of the process count.
+"""Build the Accelerator so one command trains the same way on CPU, one GPU or N processes (docs/how_it_works.md):
+- Without GPUs, `accelerate launch --multi_gpu` or `torchrun` with a plain `Accelerator()` starts N processes that
+  never form a group: N independent trainings, silently. `cpu=True` there gives real gloo DDP, and a launcher's world
+  size that differs from the group's is refused.
+- The global batch does not change with the process count: accumulation is derived from `global_batch_size`; the
+  seedable sampler makes the data order independent of it.
 - BatchNorm statistics are per process unless synchronised: nn.SyncBatchNorm on CUDA, CPUSyncBatchNorm on CPU.
 """
 
@@ -18,9 +15,9 @@ from torch import nn
 
 from src.accelerator import Accelerator, keep_freed_host_memory
 from src.config import TrainConfig, resolve_global_batch
-from src.errors import UsageError, let_threads_settle, say
+from src.errors import UsageError, let_threads_settle, one_line, say
 from src.preemption import watch_launcher
-from src.strategy import accelerator_options, check_launch, check_strategy, enable_fsdp_on_cpu, partial_state_options
+from src.strategy import accelerator_options, check_launch, enable_fsdp_on_cpu, process_group_options
 from src.sync_batchnorm import convert_cpu_sync_batchnorm
 
 logger = logging.getLogger(__name__)
@@ -36,11 +33,12 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
 
     watch_launcher()  # a rank never outlives its launcher (src/preemption.py)
     use_cpu = not has_accelerator()
-    check_launch(use_cpu, config.mixed_precision, config.max_grad_norm)
+    check_launch(use_cpu, config)
     if use_cpu:
         keep_freed_host_memory()
         warn_if_more_processes_than_cores()
-    state = PartialState(**partial_state_options(use_cpu))  # forms the process group; its size fixes accumulation
+    strategy_options = accelerator_options(use_cpu, config)  # cpu, and what FSDP/DeepSpeed need
+    state = PartialState(**process_group_options(strategy_options))  # forms the group; its size fixes accumulation
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched != state.num_processes:
         raise UsageError(
@@ -51,7 +49,6 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
     options = {"mixed_precision": config.mixed_precision} if config.mixed_precision else {}
     if config.tf32 is not None and not use_cpu:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = config.tf32
-    strategy_options = accelerator_options(use_cpu, config.max_grad_norm)  # cpu, and what FSDP/DeepSpeed need
     try:
         accelerator = Accelerator(
             log_with=log_with,
@@ -73,10 +70,9 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
             **options,
         )
     except ValueError as err:  # e.g. fp16 without a GPU, or an accelerate config this machine can't run
-        raise UsageError(f"Accelerate cannot run this setup: {' '.join(str(err).split())}") from err
+        raise UsageError(f"Accelerate cannot run this setup: {one_line(err)}") from err
     if "fsdp_plugin" in strategy_options:  # FSDP on CPU processes: what Accelerate does for GPUs only
         enable_fsdp_on_cpu(accelerator, strategy_options["fsdp_plugin"])
-    check_strategy(accelerator, config)
     return accelerator
 
 
@@ -85,8 +81,8 @@ def usable_cores() -> int:
 
 
 def warn_if_more_processes_than_cores() -> None:
-    """CPU processes beyond the cores share them: the run is slower than with fewer, not wrong. Said once per node,
-    before anything else can fail (a global batch they do not divide, say)."""
+    """CPU processes beyond the cores share them: slower than fewer, not wrong. Said once per node, before anything
+    else can fail."""
     processes, cores = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), usable_cores()
     if processes > cores and os.environ.get("LOCAL_RANK", "0") == "0":
         say(
@@ -96,20 +92,12 @@ def warn_if_more_processes_than_cores() -> None:
 
 
 def summed_loss_scale(accelerator, task, window: list) -> torch.Tensor:
-    """For a task whose loss() is a sum: processes x accumulation / the terms of the whole global batch, counted
-    over the accumulation window's micro-batches and all-reduced (an exact integer sum first). Scaled by it, the
-    gradient is that of the global batch's mean term on any process count (accumulation and DDP average over the
-    micro-batches, as they should for a mean)."""
+    """For a task whose loss() is a sum: processes x accumulation / the terms of the whole global batch (the window's
+    micro-batches, all-reduced as an exact integer sum). Scaled by it, the gradient is that of the global batch's mean
+    term on any process count (accumulation and DDP average over the micro-batches, as for a mean)."""
     counted = torch.as_tensor(sum(task.count_items(batch) for batch in window), device=accelerator.device)
     items = accelerator.reduce(counted.long(), reduction="sum").float()
     return accelerator.num_processes * accelerator.gradient_accumulation_steps / items.clamp_min(1)
-
-
-def compile_model(model: nn.Module, mode: str | None) -> nn.Module:
-    """`--torch_compile`: `torch.compile` of the prepared model (outside DDP/FSDP, as Accelerate's own
-    `dynamo_backend` does). Compiles at the first call; evaluation compiles its own graph. Save the plain model,
-    not this wrapper: its state dict's keys carry an `_orig_mod.` prefix."""
-    return torch.compile(model, mode=mode)
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:
@@ -124,7 +112,7 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
 
 def sync_batchnorm(model: nn.Module, accelerator) -> nn.Module:
     """BatchNorm statistics over the whole global micro-batch on N processes: nn.SyncBatchNorm on CUDA,
-    src/sync_batchnorm.py's CPUSyncBatchNorm on CPU processes (torch's is CUDA-only)."""
+    CPUSyncBatchNorm on CPU processes (src/sync_batchnorm.py: torch's is CUDA-only)."""
     has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     if has_batchnorm and accelerator.gradient_accumulation_steps > 1:
         warn_batchnorm_under_accumulation(accelerator.gradient_accumulation_steps, accelerator.num_processes)
@@ -144,9 +132,9 @@ def sync_batchnorm(model: nn.Module, accelerator) -> nn.Module:
 
 
 def warn_batchnorm_under_accumulation(accumulation: int, processes: int) -> None:
-    """BatchNorm normalises each micro-batch by its own statistics (synchronised over the processes: per-device batch x
-    processes samples), so how the global batch is cut changes the training, from the first step: 1 process x 64 and
-    2 processes x 32 agree, 1 x 32 accumulated twice does not (docs/how_it_works.md)."""
+    """BatchNorm normalises each micro-batch (synchronised: per-device batch x processes samples) by its own
+    statistics, so how the global batch is cut changes training: 1 process x 64 and 2 x 32 agree, 1 x 32 accumulated
+    twice does not (docs/how_it_works.md)."""
     logger.warning(
         "the model has BatchNorm and each optimiser step accumulates %d micro-batches: its statistics are those of one "
         "micro-batch, so another process count or per-device batch trains differently; use a per-device batch %d "
@@ -165,10 +153,8 @@ def end_training(accelerator) -> None:
 
 def let_gloo_settle(accelerator) -> None:
     """A moment with the GIL released after the last collective, on N processes. Gloo's worker threads destroy each
-    finished work, whose tensors' Python objects need the GIL; the DDP model freed as the run returns then destroys
-    the process group, which joins those threads while holding the GIL (pytorch#56297). A worker still waiting for
-    the GIL then hangs the process for good: seen at the end of 2-process CPU runs (rank 1 in ~ProcessGroupGloo's
-    join, its worker in ~AsyncWork waiting for the GIL, py-spy). The workers need microseconds: 50 ms narrows the race
-    to a worker kept off the CPU that long (no test can force it). A run that stops early gets the same moment in
-    src/errors.py's command_line."""
+    finished work, whose tensors' Python objects need the GIL; the DDP model freed as the run returns destroys the
+    process group, which joins those threads while holding the GIL (pytorch#56297): a worker still waiting for it
+    hangs the process for good (seen at the end of 2-process CPU runs, with py-spy). 50 ms narrows the race to a
+    worker kept off the CPU that long (no test can force it). A run that stops early gets it in errors.command_line."""
     let_threads_settle(accelerator.num_processes)

@@ -89,11 +89,9 @@ def say(line: str) -> None:
 
 
 def first_to_say(line: str) -> bool:
-    """Whether this process is the first of its launch to say `line`: an error every rank finds (a bad config, a
-    global batch the process count does not divide) is said once, by whichever rank gets there first. The claim is a
-    file created exclusively in torch elastic's folder for this launch attempt (TORCHELASTIC_ERROR_FILE is
-    <folder>/<rank>/error.json), which the ranks of a node share and no other launch does. Without it (one process,
-    another launcher) every process says its line."""
+    """Whether this process is the first of its launch to say `line`: an error every rank finds is said once. The
+    claim is a file created exclusively in torch elastic's folder for this launch attempt (TORCHELASTIC_ERROR_FILE is
+    <folder>/<rank>/error.json), which the ranks of a node share; without it every process says its line."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not error_file:
         return True
@@ -109,8 +107,8 @@ def first_to_say(line: str) -> bool:
 
 
 def let_threads_settle(num_processes: int | None = None) -> None:
-    """On N processes, before the run's model and process group are freed: a moment for gloo's threads, see
-    src/distributed.py: let_gloo_settle. `num_processes`: the accelerator's (default: torchrun's WORLD_SIZE)."""
+    """On N processes (default: torchrun's WORLD_SIZE), before the model and process group are freed: a moment for
+    gloo's threads (src/distributed.py: let_gloo_settle)."""
     if (num_processes or int(os.environ.get("WORLD_SIZE", "1"))) > 1:
         time.sleep(0.05)
 

@@ -10,7 +10,7 @@ import yaml
 from accelerate.utils import DistributedType
 
 from src.config import TrainConfig
-from src.errors import UsageError
+from src.errors import UsageError, one_line
 from src.imports import hidden
 from src.run_dir import CONFIG_FILE, MODEL_DIR, STATE_FILE
 
@@ -25,8 +25,7 @@ def save_final_model(accelerator, task, model, output_dir: Path) -> Path:
 
 def export_model(accelerator, task, model, directory: Path) -> None:
     """task.save_model into `directory` (model/, or a checkpoint's model/). Unless the run is DeepSpeed, deepspeed
-    looks uninstalled meanwhile: Accelerate's unwrap_model would import it only to find no DeepSpeedEngine (so a
-    save_model of yours that imports deepspeed itself does so only on DeepSpeed runs)."""
+    looks uninstalled meanwhile: Accelerate's unwrap_model would import it only to find no DeepSpeedEngine."""
     deepspeed_run = accelerator.distributed_type == DistributedType.DEEPSPEED
     with contextlib.nullcontext() if deepspeed_run else hidden("deepspeed"):
         task.save_model(accelerator, model, directory)
@@ -64,10 +63,9 @@ def load_weights(model, path: str) -> None:
     try:
         load_checkpoint_in_model(model, str(folder), strict=True)
     except (ValueError, RuntimeError, OSError) as err:
-        message = " ".join(str(err).split())[:300]
         raise UsageError(
             f"--model_name_or_path {path} does not hold weights for this model "
-            f"(same --task and options as when it was trained?): {message}"
+            f"(same --task and options as when it was trained?): {one_line(err)[:300]}"
         ) from err
 
 

@@ -1,23 +1,21 @@
 """The Hugging Face Hub: whether a dataset or model can be reached (a fast, clear answer offline)."""
 
-import logging
 import os
 from pathlib import Path
 
 from src.errors import UsageError
-
-logger = logging.getLogger(__name__)
 
 
 def check_hub_repo(name: str, kind: str, flag: str, instead: str) -> None:
     """A Hub dataset or model that isn't cached: one request with a 10 s timeout, not ~23 s of retries.
     `kind`: "dataset" or "model"; `instead`: what to do offline."""
     from huggingface_hub import HfApi
+    from huggingface_hub.constants import HF_HUB_CACHE
     from huggingface_hub.errors import RepositoryNotFoundError
 
-    if is_cached(name, kind):
+    if (Path(HF_HUB_CACHE) / f"{kind}s--{name.replace('/', '--')}").exists():  # cached
         return
-    if hub_offline():
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", ""):  # as set now: huggingface_hub reads it at import
         raise UsageError(f"{kind} {name!r} is not in the local cache and HF_HUB_OFFLINE is set; {instead}")
     try:
         getattr(HfApi(), f"{kind}_info")(name, timeout=10)
@@ -28,14 +26,3 @@ def check_hub_repo(name: str, kind: str, flag: str, instead: str) -> None:
             f"cannot reach the Hugging Face Hub for {kind} {name!r} ({type(err).__name__}); "
             f"{instead}, or a cached copy with HF_HUB_OFFLINE=1"
         ) from err
-
-
-def hub_offline() -> bool:
-    """HF_HUB_OFFLINE as set now (huggingface_hub's own constant is read once, at its import)."""
-    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "")
-
-
-def is_cached(name: str, kind: str = "dataset") -> bool:
-    from huggingface_hub.constants import HF_HUB_CACHE
-
-    return (Path(HF_HUB_CACHE) / f"{kind}s--{name.replace('/', '--')}").exists()

@@ -1,22 +1,15 @@
-"""Meters: what the loop measures. The loss window, the step timer, throughput and MFU, memory, the profiler;
-`TrainMeters` holds them for the loop and makes a log step's metrics.
-
-Nothing here prints or writes a log: the values go to `log_metrics` (src/tracking.py), the main process's voice.
+"""What the loop measures: the loss window, the step timer, throughput and MFU, memory. `TrainMeters` holds them and
+makes a log step's metrics; nothing here prints or writes them (src/tracking.py does).
 """
 
 import contextlib
-import logging
 import resource
 import time
-from pathlib import Path
 
 import torch
 
 from src.config import TrainConfig
 from src.errors import TrainingDiverged
-from src.strategy import ShardMemory
-
-logger = logging.getLogger(__name__)
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -27,17 +20,14 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 class LossWindow:
-    """The training losses since the last log line, one per micro-batch, kept on the device (no host sync per step).
-
-    `mean()` averages them over all processes at log time. A NaN/inf loss stops the run there, naming the step it
-    first appeared at (before any checkpoint could save the damaged weights), unless `skip_nonfinite` is set: then
-    such values are left out of the mean (the train loop skips their optimiser steps).
+    """The training losses since the last log line, one per micro-batch, kept on the device (no host sync per step),
+    averaged over all processes at log time. A NaN/inf loss stops the run there, naming the step it first appeared at
+    (before a checkpoint could save the damaged weights), unless `skip_nonfinite`: then it is left out of the mean
+    (the train loop skips its optimiser step).
     """
 
     def __init__(self, accelerator, accumulation: int, skip_nonfinite: bool):
-        self.accelerator = accelerator
-        self.accumulation = accumulation
-        self.skip_nonfinite = skip_nonfinite
+        self.accelerator, self.accumulation, self.skip_nonfinite = accelerator, accumulation, skip_nonfinite
         self.values: list[torch.Tensor] = []  # a list append costs less per step than writing into a tensor
         self.first_step = 1  # the optimiser step the first value in the window belongs to
 
@@ -45,8 +35,7 @@ class LossWindow:
         self.values.append(loss.detach())
 
     def reduced(self) -> torch.Tensor:
-        """The window's values, each averaged over processes; raises on a non-finite one unless skipping (then
-        they are left out)."""
+        """The window's values, each averaged over processes; a non-finite one raises, or is left out when skipping."""
         if not self.values:
             return torch.zeros(0)
         window = torch.stack(self.values).float()
@@ -79,10 +68,9 @@ class LossWindow:
 
 
 class StepTimer:
-    """Seconds per optimiser step since `restart(step)`; evaluation and checkpoints run inside `paused()`.
-
-    It counts its own steps: after a resume the loss window holds steps trained before the restart, which the
-    clock did not see."""
+    """Seconds per optimiser step since `restart(step)`; evaluation and checkpoints run inside `paused()`. It counts
+    its own steps: after a resume the loss window holds steps trained before the restart, which the clock did not see.
+    """
 
     def __init__(self, step: int):
         self.restart(step)
@@ -137,9 +125,46 @@ def throughput_metrics(task, accelerator):
     return metrics
 
 
+class ShardMemory:
+    """The proof that a strategy shards: each process's parameter and optimiser-state bytes, measured on the prepared
+    objects once per start, after the first optimiser step (a torch optimiser's state exists only from then).
+    Logged as the largest over the processes: what has to fit on every device."""
+
+    def __init__(self, accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.accelerator, self.model, self.optimizer, self.logged = accelerator, model, optimizer, False
+
+    def metrics(self) -> dict:
+        """Call at the same step on every process (it gathers); {} after the first call."""
+        if self.logged:
+            return {}
+        self.logged = True
+        params = sum(map(local_bytes, self.model.parameters()))
+        states = sum(map(local_bytes, optimizer_state(self.optimizer)))
+        sizes = torch.tensor([[params, states]], dtype=torch.float64, device=self.accelerator.device)
+        largest = self.accelerator.gather(sizes).amax(dim=0).tolist()
+        return {"memory/param_bytes": int(largest[0]), "memory/optimizer_state_bytes": int(largest[1])}
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The state tensors of the torch optimizer handed to `prepare`: DeepSpeed's ZeRO optimizer and FSDP2 keep this
+    process's partition in it."""
+    return [value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)]
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes this process holds of a tensor: a DTensor's local shard, a ZeRO-3 parameter's partition (`ds_tensor`;
+    its `.data` is empty between gathers), else the tensor."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
+    tensor = getattr(tensor, "ds_tensor", tensor)
+    return tensor.numel() * tensor.element_size()
+
+
 class TrainMeters:
-    """What the training loop records between two log steps, and the `train/` metrics of a log step: the loss
-    window, seconds per step, throughput, memory, skipped steps, and once per start each process's bytes."""
+    """What the loop records between two log steps, and a log step's `train/` metrics: the loss window, seconds per
+    step, throughput, memory, skipped steps, and once per start each process's bytes."""
 
     def __init__(self, accelerator, task, model, optimizer: torch.optim.Optimizer, config: TrainConfig, state):
         self.accelerator, self.global_batch = accelerator, state.global_batch
@@ -171,37 +196,3 @@ class TrainMeters:
     def save_to(self, state) -> None:
         """The partial loss window into the trainer state, for a checkpoint (a NaN in it stops the run here)."""
         state.loss_window, state.window_first_step = self.losses.state(), self.losses.first_step
-
-
-class NoProfiler:
-    def start(self):
-        pass
-
-    def step(self):
-        pass
-
-    def stop(self):
-        pass
-
-
-def step_profiler(config: TrainConfig, accelerator):
-    """`--profile_steps N`: a torch.profiler trace of N steps after 2 warm-up steps, one Chrome trace per process
-    in output_dir/profile/ (open it in chrome://tracing or https://ui.perfetto.dev)."""
-    if not config.profile_steps:
-        return NoProfiler()
-    from torch.profiler import ProfilerActivity, profile, schedule
-
-    trace_dir = Path(config.output_dir) / "profile"
-    trace_dir.mkdir(parents=True, exist_ok=True)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if accelerator.device.type == "cuda" else [])
-
-    def save(profiler) -> None:
-        path = trace_dir / f"trace_rank{accelerator.process_index}.json"
-        profiler.export_chrome_trace(str(path))
-        logger.info("profiler trace of %d steps written to %s", config.profile_steps, path)
-
-    return profile(
-        activities=activities,
-        schedule=schedule(wait=1, warmup=1, active=config.profile_steps, repeat=1),
-        on_trace_ready=save,
-    )

@@ -1,8 +1,8 @@
 """Evaluation metrics: `accuracy` built in, any other name an `evaluate` module (src/evaluate_metrics/<name> first,
 then a path or the Hub).
 
-Every process computes the metric on the SAME gathered predictions (see `evaluate` in train.py), so
-all processes agree on the result: no "4 accuracies on 4 GPUs". A metric is a `Metric`: evaluate's two calls.
+Every process computes the metric on the same gathered predictions (`evaluate` in train.py), so all processes agree:
+no "4 accuracies on 4 GPUs".
 """
 
 import uuid
@@ -28,9 +28,8 @@ class Metric(Protocol):
 
 
 class Accuracy:
-    """The fraction of predictions equal to their reference, over everything added since the last compute(). Built in
-    because the classification tasks use it by default: a run that needs no other metric never imports `evaluate`
-    (and `datasets` with it: ~0.7 s more to the first step and ~50 MB, docs/benchmark.md)."""
+    """The fraction of predictions equal to their reference since the last compute(). Built in: a run that needs no
+    other metric never imports `evaluate` (nor `datasets`: ~0.7 s to the first step, ~50 MB, docs/benchmark.md)."""
 
     def __init__(self):
         self.correct, self.total = 0, 0

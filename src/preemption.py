@@ -16,15 +16,13 @@ from src.errors import EXIT_LAUNCHER_GONE, is_main_process, say
 class LauncherWatch:
     """A thread that stops this process within seconds of its launcher's death.
 
-    torch elastic (`accelerate launch`, torchrun) starts each rank in a session of its own, so a launcher killed
-    with SIGKILL takes none of them along: they would train to the end, write model/ and upload it, beside a second
-    run that may meanwhile have started on the same folder, or wait forever in a collective for a rank that died.
-    The agent that started this rank is its parent; when the parent changes (the rank was re-parented), the launcher
-    is gone. Then the training loop, if it runs, is asked for a preemption checkpoint at its next step boundary
-    (`PreemptionSignals`), and at most GRACE_S later the process exits whatever it is doing (a rank stuck in a
-    collective, a checkpoint that takes longer: its temporary folder is removed by the next run). Polling the parent
-    rather than prctl(PR_SET_PDEATHSIG): that is Linux-only, fires when the *thread* that forked the rank exits, and
-    races with a parent that died before the rank set it.
+    torch elastic (`accelerate launch`, torchrun) starts each rank in a session of its own, so a launcher killed with
+    SIGKILL takes none of them along: they would train on beside a second run that may have started on the same
+    folder, or wait forever in a collective for a rank that died. The launcher's agent is this rank's parent; when the
+    parent changes, it is gone. Then the training loop is asked for a preemption checkpoint at its next step boundary,
+    and at most GRACE_S later the process exits whatever it is doing (the next run removes a half-written checkpoint).
+    Polling rather than prctl(PR_SET_PDEATHSIG): that is Linux-only, fires when the *thread* that forked the rank
+    exits, and races with a parent that died before the rank set it.
     """
 
     POLL_S = 0.5
@@ -79,18 +77,15 @@ def forget_launcher_exit(listener) -> None:
 
 
 class PreemptionSignals:
-    """SIGTERM / SIGUSR1 (SLURM's warning before the time limit) ask for a checkpoint at a step boundary.
-
-    Processes may receive the signal at different steps, so they must agree on when to save. Every `every`-th step
-    starts an all-reduce of the flag, in the background on a CPU (gloo) group, and reads the one started `every`
-    steps earlier: every process sees the same sum at the same step and no step waits for the network or the GPU.
-    On GPUs that is every step (the checkpoint comes one step after the signal). When the processes train on the CPU,
-    gloo's background work takes cores from training (docs/resume.md), so they agree every 10 steps. One process
-    needs no agreement and no collective. The launcher's death (LauncherWatch) counts as a signal.
+    """SIGTERM / SIGUSR1 (SLURM's warning before the time limit), or the launcher's death, ask for a checkpoint at a
+    step boundary. Processes may receive the signal at different steps, so they agree on when to save: every
+    `every`-th step starts an all-reduce of the flag in the background on a CPU (gloo) group and reads the one started
+    `every` steps earlier, so every process sees the same sum at the same step and no step waits for the network. On
+    GPUs that is every step; CPU processes agree every 10 steps (gloo's background work takes cores from training,
+    docs/resume.md). One process needs no agreement.
     """
 
     CPU_EVERY = 10
-
     SIGNALS = ("SIGTERM", "SIGUSR1")
 
     def __init__(self, accelerator):

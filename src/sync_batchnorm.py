@@ -1,11 +1,9 @@
 """Synchronised BatchNorm for CPU processes: the statistics of the whole global micro-batch, on any process count.
 
-torch's `nn.SyncBatchNorm` runs on CUDA only (its forward refuses CPU tensors), so without this a BatchNorm model on
-N CPU processes normalises each process's slice of the batch on its own and trains differently from one process.
-`CPUSyncBatchNorm` all-reduces the per-channel sums over the process group with autograd (`autograd_all_reduce`,
-whose backward all-reduces the gradients), which is what
-`nn.SyncBatchNorm` computes with its CUDA kernels. Evaluation uses the running statistics, as BatchNorm does.
-The state dict is BatchNorm's, so a saved model loads into the plain model.
+torch's `nn.SyncBatchNorm` runs on CUDA only, so a BatchNorm model on N CPU processes would normalise each process's
+slice on its own and train differently from one process. `CPUSyncBatchNorm` all-reduces the per-channel sums with
+autograd (the backward all-reduces the gradients): what `nn.SyncBatchNorm` computes with its CUDA kernels. Evaluation
+uses the running statistics; the state dict is BatchNorm's, so a saved model loads into the plain model.
 """
 
 import torch

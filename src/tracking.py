@@ -1,8 +1,7 @@
 """What the main process alone writes: console lines, `metrics.jsonl`, trackers (wandb, mlflow, ...), the progress bar.
 
-The rule lives here, once: `setup_logging` silences every other process's console, Accelerate's `log` and
-`init_trackers` already run on the main process only, and the progress bar is disabled elsewhere. The training
-loop therefore never asks which rank it is on.
+The rule lives here, once (other processes' consoles are silenced; Accelerate's `log` and `init_trackers` run on the
+main process only), so the training loop never asks which rank it is on.
 """
 
 import json
@@ -44,9 +43,8 @@ LIBRARY_NOISE = (
 
 
 def quiet_library_noise(main_process: bool) -> None:
-    """The one place that filters Python warnings: the libraries' known FutureWarnings never, any other once (the
-    first of each message: libraries that change the filters reset Python's own once-per-line memory, so DeepSpeed's
-    came at every step); on the other processes none (the main one shows them)."""
+    """The one place that filters Python warnings: LIBRARY_NOISE never, any other once per message (libraries that
+    change the filters reset Python's once-per-line memory); on the other processes none (the main one shows them)."""
     import warnings
 
     if not main_process:
@@ -67,8 +65,7 @@ class JsonlTracker(GeneralTracker):
 
     def __init__(self, path: Path):
         super().__init__()
-        self.path = Path(path)
-        self.file = None
+        self.path, self.file = Path(path), None
 
     @property
     def tracker(self):
@@ -181,33 +178,14 @@ def parameter_count(model, trainable_only: bool = False) -> int:
 def log_metrics(accelerator, metrics: dict, step: int) -> None:
     """To every tracker (metrics.jsonl included) and one console line, main process only."""
     accelerator.log(metrics, step=step)
-    logger.info("step %d | %s", step, " | ".join(f"{k} {format_value(v)}" for k, v in metrics.items()))
-
-
-def format_value(value) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
-
-
-class NoProgressBar:
-    """What the loop calls on a progress bar, doing nothing: a disabled tqdm still formats every postfix."""
-
-    def update(self):
-        pass
-
-    def set_postfix(self, **values):
-        pass
-
-    def close(self):
-        pass
+    line = " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
+    logger.info("step %d | %s", step, line)
 
 
 def progress_bar(accelerator, total: int, initial: int = 0):
     """tqdm on the main process when stdout is a terminal; otherwise the periodic log lines are the progress."""
-    if not (accelerator.is_main_process and sys.stdout.isatty()):
-        return NoProgressBar()
     from tqdm.auto import tqdm
 
     size = shutil.get_terminal_size()  # 80x24 where a pseudo-terminal reports 0x0 (tqdm would then draw nothing)
-    return tqdm(total=total, initial=initial, unit="step", ncols=size.columns, nrows=size.lines)
+    shown = accelerator.is_main_process and sys.stdout.isatty()
+    return tqdm(total=total, initial=initial, unit="step", ncols=size.columns, nrows=size.lines, disable=not shown)

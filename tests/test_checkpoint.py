@@ -30,7 +30,7 @@ RUN = ["--max_steps", "60", "--logging_steps", "1", "--save_steps", "10", "--eva
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """Through the DataLoader (`--dataloader_index_batches false`): the runs compared with it batch by index (the
-    default, src/index_batches.py), so each comparison also proves the index path trains as the DataLoader does."""
+    default, src/batches.py), so each comparison also proves the index path trains as the DataLoader does."""
     runs = {}
     for processes in (1, 2):
         output_dir = tmp_path_factory.mktemp(f"full{processes}") / "run"

@@ -12,9 +12,9 @@ import torch
 
 from src.cli import resolve
 from src.config import TrainConfig
-from src.data import build_dataloaders as make_loaders
 from src.data import column_tensor, load_tables
 from src.errors import UsageError
+from src.loaders import build_dataloaders as make_loaders
 from src.tasks import build_task
 from tests.conftest import REPO
 
@@ -220,7 +220,7 @@ class Epochs:
 def test_train_windows_are_whole_accumulation_windows_epoch_after_epoch():
     from itertools import islice
 
-    from src.data import DataPosition, train_windows
+    from src.batches import DataPosition, train_windows
 
     position = DataPosition()
     windows = list(islice(train_windows(Epochs(5), 2, position), 5))  # 5 batches: 2 windows an epoch, 1 left over
@@ -231,7 +231,7 @@ def test_train_windows_are_whole_accumulation_windows_epoch_after_epoch():
 
 
 def test_train_data_smaller_than_one_window_is_a_usage_error():
-    from src.data import DataPosition, train_windows
+    from src.batches import DataPosition, train_windows
 
     with pytest.raises(UsageError, match="fewer samples than one global batch"):
         next(train_windows(Epochs(1), 2, DataPosition()))
@@ -240,7 +240,7 @@ def test_train_data_smaller_than_one_window_is_a_usage_error():
 def test_a_train_split_that_leaves_much_out_of_each_epoch_is_warned_about(caplog):
     from torch.utils.data import DataLoader, TensorDataset
 
-    from src.data import check_split_sizes
+    from src.loaders import check_split_sizes
 
     def loaders(rows: int):
         return DataLoader(TensorDataset(torch.zeros(rows, 1))), DataLoader(TensorDataset(torch.zeros(8, 1)))

@@ -120,18 +120,6 @@ def test_resume_command_starts_then_resumes(tmp_path):
 
 
 @pytest.mark.slow
-def test_plot_command_draws_a_1_and_a_2_process_run(tmp_path):
-    (command,) = section_commands("Plots", page="docs/tracking.md")
-    cwd = workspace(tmp_path)
-    ddp = "accelerate launch --config_file accelerate_configs/ddp.yaml train.py"
-    for name, processes, launch in (("digits", 1, "python train.py"), ("digits_ddp", 2, ddp)):
-        assert_ok(run_command([*as_written(launch), *QUICK, "--output_dir", f"runs/{name}"], cwd=cwd))
-        assert_processes(cwd / "runs" / name, processes)
-    assert_ok(run_command(as_written(command), cwd=cwd))
-    assert (cwd / "curves.png").read_bytes().startswith(b"\x89PNG")
-
-
-@pytest.mark.slow
 def test_guide_tabular_command(tmp_path):
     """docs/customize.md's `tabular` command on a table with the columns it names (integer species labels)."""
     (command,) = section_commands("Your data, by config", page="docs/customize.md")

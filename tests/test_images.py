@@ -14,7 +14,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Subset
 
 from scripts.readme_commands import section_commands
-from src.data import EpochDependent, LoaderBatches
+from src.batches import EpochDependent, LoaderBatches
 from src.features.images.image_classification import Augmentation, ImageSamples, Preprocess, sample_generator
 from tests.conftest import (
     assert_ok,

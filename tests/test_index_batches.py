@@ -1,4 +1,4 @@
-"""In-memory data batched by index (src/index_batches.py: IndexBatches) gives the DataLoader's batches: the same
+"""In-memory data batched by index (src/batches.py: IndexBatches) gives the DataLoader's batches: the same
 samples in the same order, the same shards on N processes, the same resume, hence the same per-step losses (which
 tests/test_checkpoint.py checks end to end: a killed run, resumed on the index path, against the DataLoader's)."""
 
@@ -8,10 +8,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Subset, default_collate
 
+from src.batches import EpochOrder, IndexBatches, LoaderBatches, gatherable, known_sequence
 from src.cli import resolve
 from src.config import TrainConfig
-from src.data import LoaderBatches
-from src.index_batches import EpochOrder, IndexBatches, gatherable, known_sequence
 from src.tasks import build_task
 from tests.helpers import needs
 
@@ -59,7 +58,7 @@ def test_an_epoch_order_not_known_or_not_checked_is_drawn_from_the_batch_sampler
     """EpochOrder computes an epoch's indices only for a sampler it knows and after checking a second epoch against
     the batch sampler; otherwise (here: a sampler of the user's, and a sequence that the check refutes) it draws
     them, and the batches are still the DataLoader's."""
-    import src.index_batches
+    import src.batches
 
     reversed_order = prepared(digits, 2, 1, shuffle=False, sampler=range(len(digits) - 1, -1, -1))
     assert EpochOrder(reversed_order).positions is None
@@ -70,7 +69,7 @@ def test_an_epoch_order_not_known_or_not_checked_is_drawn_from_the_batch_sampler
         return sequence if epoch == 0 else sequence.flip(0)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(src.index_batches, "known_sequence", wrong_after_epoch_0)
+        patch.setattr(src.batches, "known_sequence", wrong_after_epoch_0)
         loader = prepared(digits, 2, 1)
         order = EpochOrder(loader)
         assert order.positions is None

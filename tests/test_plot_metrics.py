@@ -5,6 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from scripts.readme_commands import section_commands
+from tests.conftest import QUICK, assert_ok, assert_processes, run_command
+from tests.helpers import as_written, workspace
+
 REPO = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -75,3 +81,15 @@ def test_label_count_must_match(tmp_path):
     one, two = write_run(tmp_path / "one", 1), write_run(tmp_path / "two", 2)
     out = tmp_path / "out.png"
     assert_input_error(plot(one, two, "-o", out, "--label", "only one"), out, "--label")
+
+
+@pytest.mark.slow
+def test_plot_command_draws_a_1_and_a_2_process_run(tmp_path):
+    (command,) = section_commands("Plots", page="docs/tracking.md")
+    cwd = workspace(tmp_path)
+    ddp = "accelerate launch --config_file accelerate_configs/ddp.yaml train.py"
+    for name, processes, launch in (("digits", 1, "python train.py"), ("digits_ddp", 2, ddp)):
+        assert_ok(run_command([*as_written(launch), *QUICK, "--output_dir", f"runs/{name}"], cwd=cwd))
+        assert_processes(cwd / "runs" / name, processes)
+    assert_ok(run_command(as_written(command), cwd=cwd))
+    assert (cwd / "curves.png").read_bytes().startswith(b"\x89PNG")

@@ -97,14 +97,12 @@ def test_overfit_preset_drives_the_train_loss_to_zero(tmp_path):
 
 
 @pytest.mark.slow
-def test_smoke_preset_and_profiler_trace(tmp_path):
+def test_smoke_preset(tmp_path):
     out = tmp_path / "run"
     result = run_main("--config", "configs/default.yaml", "--config", "configs/debug/smoke.yaml",
-                      "--output_dir", str(out), "--profile_steps", "2")  # fmt: skip
+                      "--output_dir", str(out))  # fmt: skip
     assert_ok(result)
     assert read_metrics(out)[-1]["eval/num_samples"] == 64
-    trace = json.loads((out / "profile" / "trace_rank0.json").read_text())
-    assert any("aten::" in event.get("name", "") for event in trace["traceEvents"])
 
 
 @pytest.mark.slow

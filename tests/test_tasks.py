@@ -11,8 +11,8 @@ import yaml
 
 from src.cli import parse_config, resolve
 from src.config import TrainConfig, save_config
-from src.data import build_dataloaders, check_first_batch
 from src.errors import EXIT_TASK_FAILED, LaunchError, TaskFailed, UsageError, describe
+from src.loaders import build_dataloaders, check_first_batch
 from src.run_dir import trained_any_step
 from src.tasks import BUILT_IN, build_task, task_class, task_name
 from src.tasks.base import Task, task_errors
@@ -207,10 +207,6 @@ def test_samples_that_cannot_be_batched_say_so():
         ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, "FSDP version 1, which needs GPUs.*fsdp_version: 2"),
         ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "true"},
          r"offloads to the CPU \(fsdp_offload_params\)"),
-        ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu"},
-         r"offloads to the CPU \(offload_optimizer_device\)"),
-        ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_GRADIENT_CLIPPING": "0.5"},
-         "sets gradient_clipping 0.5 but --max_grad_norm is 1.0"),
     ],
 )  # fmt: skip
 def test_launch_this_machine_cannot_run_is_one_line(monkeypatch, env, message):
@@ -219,7 +215,7 @@ def test_launch_this_machine_cannot_run_is_one_line(monkeypatch, env, message):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(LaunchError, match=message):
-        check_launch(use_cpu=True, mixed_precision=None, max_grad_norm=1.0)
+        check_launch(use_cpu=True, config=TrainConfig())
 
 
 def test_what_the_cpu_can_run_passes_the_launch_check(monkeypatch):
@@ -228,42 +224,8 @@ def test_what_the_cpu_can_run_passes_the_launch_check(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "2")
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
-    check_launch(use_cpu=True, mixed_precision=None, max_grad_norm=1.0)
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    monkeypatch.setenv("ACCELERATE_GRADIENT_CLIPPING", "1.0")
-    check_launch(use_cpu=True, mixed_precision=None, max_grad_norm=1.0)
-    check_launch(use_cpu=False, mixed_precision="fp16", max_grad_norm=1.0)  # fp16 is refused on the CPU only
-
-
-@pytest.mark.parametrize(
-    "flag, message",
-    [("skip_nonfinite_batches", "--skip_nonfinite_batches does not work with DeepSpeed"),
-     ("torch_compile", "--torch_compile is not supported with DeepSpeed")],
-)  # fmt: skip
-def test_what_deepspeed_cannot_do_is_one_line(flag, message):
-    from types import SimpleNamespace
-
-    from accelerate.utils import DistributedType
-
-    from src.strategy import check_strategy
-
-    config = dataclasses.replace(TrainConfig(), **{flag: True})
-    with pytest.raises(UsageError, match=message):
-        check_strategy(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED), config)
-    check_strategy(SimpleNamespace(distributed_type=DistributedType.FSDP), config)
-
-
-def test_deepspeed_config_without_deepspeed_is_one_line(monkeypatch):
-    import importlib.util
-
-    from src.strategy import check_launch
-
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else find_spec(name))
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    with pytest.raises(LaunchError, match="asks for DeepSpeed, which is not installed; `pip install deepspeed`"):
-        check_launch(use_cpu=False, mixed_precision=None, max_grad_norm=1.0)
+    check_launch(use_cpu=True, config=TrainConfig())
+    check_launch(use_cpu=False, config=TrainConfig(mixed_precision="fp16"))  # fp16 is refused on the CPU only
 
 
 def test_a_run_that_failed_before_its_first_step_blocks_nothing(tmp_path):
@@ -303,7 +265,6 @@ def cpu_cannot_run(tmp_path: Path, config: str) -> Path:
     changed = {
         "ddp.yaml": text.replace("mixed_precision: 'no'", "mixed_precision: fp16"),
         "fsdp.yaml": text.replace("fsdp_version: 2", "fsdp_version: 1"),
-        "deepspeed_zero3.yaml": text.replace("offload_param_device: none", "offload_param_device: cpu"),
     }[config]
     assert changed != text
     path = tmp_path / config
@@ -313,8 +274,7 @@ def cpu_cannot_run(tmp_path: Path, config: str) -> Path:
 
 @pytest.mark.parametrize(
     "config, message",
-    [("ddp.yaml", "fp16 mixed precision needs a GPU"), ("fsdp.yaml", "asks for FSDP version 1"),
-     pytest.param("deepspeed_zero3.yaml", "offloads to the CPU (offload_param_device)", marks=needs("deepspeed"))],
+    [("ddp.yaml", "fp16 mixed precision needs a GPU"), ("fsdp.yaml", "asks for FSDP version 1")],
 )  # fmt: skip
 def test_launch_script_refuses_what_this_machine_cannot_run_in_one_line(tmp_path, config, message):
     if torch.cuda.is_available():

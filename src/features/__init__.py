@@ -1,9 +1,9 @@
 """Features: the optional parts of the template, one package each in src/features/, found by looking.
 
-A feature reaches a run through the hooks of `Feature` (each does nothing unless the feature overrides it) and
-brings its own options: an `Options` dataclass whose fields join the command line, the YAML config and the run's
-config.yaml, as a task's options do. The core never imports a feature by name, so deleting a feature's package (and
-the rest of what features.yaml lists for it: tests, docs page, requirements) removes it, flags and all.
+A feature reaches a run through the hooks of `Feature` (each does nothing unless overridden) and brings its own
+options: an `Options` dataclass whose fields join the command line, the YAML config and config.yaml, as a task's do.
+The core never imports a feature by name, so deleting a feature's package (and what features.yaml lists with it)
+removes it, flags and all.
 
     class MirrorFeature(Feature):
         @dataclass
@@ -23,7 +23,7 @@ from pathlib import Path
 
 
 class Feature:
-    """A feature's hooks into a run, in the order train.py calls them; `config` is the run's TrainConfig."""
+    """A feature's hooks into a run, in the order they are called; `config` is the run's TrainConfig."""
 
     Options: type | None = None  # a dataclass of the feature's flags; None: it has none
     tasks: dict[str, str] = {}  # --task names it adds -> "module.Class" (imported only when chosen)
@@ -32,8 +32,20 @@ class Feature:
         """This feature's options, typed, from the run's config."""
         return options_of(self.Options, config.feature_args)
 
+    def check_launch(self, use_cpu: bool, config) -> None:
+        """What the accelerate config asks for that this machine can't give, before the processes form a group: raise
+        LaunchError. `config` None: the accelerate config alone (scripts/launch.py)."""
+
+    def accelerator_options(self, use_cpu: bool, config) -> dict | None:
+        """The Accelerator's arguments for a strategy the feature runs (`cpu` included), or None: not its strategy."""
+        return None
+
     def check(self, config) -> None:
-        """Before anything is read or written, on every process: bad input raises UsageError (one line, exit 2)."""
+        """Before training reads or writes anything, on every process: bad input raises UsageError (exit 2)."""
+
+    def adapt_model(self, model, accelerator):
+        """The model before `accelerator.prepare`, as the feature needs it (e.g. DeepSpeed's inputs cast)."""
+        return model
 
     def before_resume(self, accelerator, config) -> None:
         """Before the run looks for a checkpoint to resume from (e.g. fetch a newer one from elsewhere)."""
@@ -45,6 +57,9 @@ class Feature:
     def on_start(self, accelerator, config, resumed: bool) -> None:
         """The output directory is ready (a fresh start cleared it); training is about to start."""
 
+    def on_step(self, accelerator, config, step: int) -> None:
+        """After each optimiser step, on every process (keep it cheap: it runs at every step)."""
+
     def on_checkpoint(self, accelerator, config, checkpoint: Path, state) -> None:
         """On every process, after `checkpoint` was saved; `state` is its TrainerState."""
 
@@ -53,23 +68,40 @@ class Feature:
 
 
 class Features(tuple):
-    """Every installed feature, called as one: `features.on_checkpoint(...)` calls each feature's hook in turn."""
+    """Every installed feature, called as one: `features.on_checkpoint(...)` calls each feature's hook in turn;
+    `accelerator_options` and `train_loader` give the first answer that is not None, `adapt_model` passes the model
+    through each."""
+
+    def check_launch(self, use_cpu: bool, config) -> None:
+        for feature in self:
+            feature.check_launch(use_cpu, config)
+
+    def accelerator_options(self, use_cpu: bool, config) -> dict | None:
+        return next((o for f in self if (o := f.accelerator_options(use_cpu, config)) is not None), None)
 
     def check(self, config) -> None:
         for feature in self:
             feature.check(config)
+
+    def adapt_model(self, model, accelerator):
+        for feature in self:
+            model = feature.adapt_model(model, accelerator)
+        return model
 
     def before_resume(self, accelerator, config) -> None:
         for feature in self:
             feature.before_resume(accelerator, config)
 
     def train_loader(self, task, config, pin_memory: bool):
-        """The first train loader a feature gives, or None: the in-memory data's."""
         return next((loader for f in self if (loader := f.train_loader(task, config, pin_memory)) is not None), None)
 
     def on_start(self, accelerator, config, resumed: bool) -> None:
         for feature in self:
             feature.on_start(accelerator, config, resumed)
+
+    def on_step(self, accelerator, config, step: int) -> None:
+        for feature in self:
+            feature.on_step(accelerator, config, step)
 
     def on_checkpoint(self, accelerator, config, checkpoint: Path, state) -> None:
         for feature in self:
@@ -81,8 +113,7 @@ class Features(tuple):
 
 
 def options_of(options_class: type, values: dict):
-    """A feature's `Options` dataclass (its checks run) from `values`, every feature's options by name, flat as on the
-    command line and in `config.feature_args`."""
+    """A feature's `Options` (its checks run) from `values`: every feature's options, flat as in `feature_args`."""
     names = {field.name for field in dataclasses.fields(options_class)}
     return options_class(**{name: value for name, value in values.items() if name in names})
 

@@ -31,7 +31,7 @@ from traceback import walk_tb
 from typing import TYPE_CHECKING, ClassVar
 
 from src.data import load_tables
-from src.errors import RunStopped, TaskFailed, UsageError, describe
+from src.errors import RunStopped, TaskFailed, UsageError, describe, one_line
 from src.final_model import load_weights
 
 if TYPE_CHECKING:
@@ -179,9 +179,8 @@ def task_errors(task: Task):
             raise
         batch = frame.f_locals.get("batch")
         on = f" on a batch {describe(batch)}" if batch is not None else ""
-        message = " ".join(str(err).split())[:400]
         raise TaskFailed(
-            f"{type(task).__name__}.{frame.f_code.co_name}() failed{on}: {type(err).__name__}: {message} "
+            f"{type(task).__name__}.{frame.f_code.co_name}() failed{on}: {type(err).__name__}: {one_line(err)[:400]} "
             "(--debug true shows the traceback)"
         ) from err
 

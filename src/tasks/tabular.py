@@ -3,9 +3,8 @@
     python train.py --task tabular --data_files '{train: my/train.csv, eval: my/eval.csv}' --label_column species \
         --features '[sepal_length, sepal_width]' --hidden_size 64
 
-Without `features`, every column except the label is a feature. Features are standardised with the train split's
-mean and standard deviation (computed once; the model holds them as buffers, so a saved model takes raw features).
-The model is src/models/mlp.py behind that standardisation.
+Without `features`, every column except the label is a feature. The model (src/models/mlp.py) standardises them with
+the train split's mean and standard deviation, held as buffers: a saved model takes raw features.
 """
 
 from dataclasses import dataclass

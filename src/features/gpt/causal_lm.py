@@ -44,7 +44,7 @@ class TokenBlocks(Dataset):
         block = self.blocks[index].long()
         return block[:-1], block[1:]
 
-    # a batch as one gather (src/index_batches.py: Gatherable), the same tensors default_collate stacks from __getitem__
+    # a batch as one gather (src/batches.py: Gatherable), the same tensors default_collate stacks from __getitem__
     def gather(self, indices: torch.Tensor) -> list[torch.Tensor]:
         blocks = self.blocks[indices].long()
         return [blocks[:, :-1].contiguous(), blocks[:, 1:].contiguous()]

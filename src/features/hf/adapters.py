@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from src.errors import UsageError
+from src.errors import UsageError, one_line
 
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -72,9 +72,8 @@ def add_adapter(model, options: AdapterOptions, task_type: str):
     try:
         return peft.get_peft_model(model, config)
     except ValueError as err:  # an unknown module name, or an architecture PEFT has no default for
-        message = " ".join(str(err).split())
         raise UsageError(
-            f"--peft lora on {type(model).__name__}: {message} (set --lora_target_modules to names of its "
+            f"--peft lora on {type(model).__name__}: {one_line(err)} (set --lora_target_modules to names of its "
             "Linear / Conv / Embedding modules)"
         ) from err
 

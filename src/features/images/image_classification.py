@@ -89,7 +89,7 @@ class Preprocess:
 class ImageSamples(Dataset):
     """One split's images, decoded and preprocessed per sample (a loader's workers do it in parallel): (pixels,
     label) or (pixels,) unlabelled. With an augmentation its draws depend on the epoch that `set_epoch` sets
-    (src/data.py's `EpochDependent`: the loop sets it before each epoch, and a resumed run the epoch it resumes in)."""
+    (src/batches.py's `EpochDependent`: the loop sets it before each epoch, a resumed run the epoch it resumes in)."""
 
     def __init__(self, split, column: str, preprocess: Preprocess, labels=None, augmentation=None, seed: int = 0):
         self.split, self.column, self.preprocess, self.labels = split, column, preprocess, labels

@@ -51,7 +51,7 @@ OPTIONS = {"file": {"auto_mkdir": True}}  # a file:// mirror creates its folders
 # The start's check answers in seconds, not after botocore's default minute of retries; uploads keep the defaults.
 CHECK_OPTIONS = {"s3": {"config_kwargs": {"connect_timeout": 5, "read_timeout": 10, "retries": {"max_attempts": 2}}}}
 LIBRARIES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
-RUN_FILES = (CONFIG_FILE, METRICS_FILE, EVAL_RESULTS_FILE, PREDICTIONS_FILE)  # the run root's files, not folders
+ROOT_FILES = (CONFIG_FILE, METRICS_FILE, EVAL_RESULTS_FILE, PREDICTIONS_FILE)  # the run root's files, not folders
 PROBE = ".write_check"  # written and removed by the start's check
 
 
@@ -166,10 +166,10 @@ def reach(url: str, call):
     try:
         return call()
     except Exception as err:  # each library raises its own kinds: botocore's, aiohttp's, OSError, PermissionError
-        raise UsageError(f"cannot use --output_mirror {url}: {describe(err)}") from err
+        raise UsageError(f"cannot use --output_mirror {url}: {storage_failure(err)}") from err
 
 
-def describe(err: Exception) -> str:
+def storage_failure(err: Exception) -> str:
     """What went wrong, in the words a user acts on."""
     name = type(err).__name__
     message = one_line(err)[:300]
@@ -236,7 +236,7 @@ def prepare_mirror(accelerator, config: TrainConfig, resumed: bool) -> None:
     if mirror is not None and not resumed and accelerator.is_main_process:
         for name in mirror.checkpoint_names():
             mirror.remove_checkpoint(name)
-        for name in (MODEL_DIR, *RUN_FILES):
+        for name in (MODEL_DIR, *ROOT_FILES):
             with contextlib.suppress(FileNotFoundError):
                 mirror.fs.rm(mirror.path(name), recursive=True)
     accelerator.wait_for_everyone()
@@ -301,7 +301,7 @@ class Upload:
             upload(mirror, self.snapshot / self.name, self.snapshot, keep, keep_step)
         except BaseException as err:  # the storage library's own kinds; raised where the run next waits
             self.failure = err
-            logger.error("could not upload checkpoint %s to %s: %s", self.name, self.url, describe(err))
+            logger.error("could not upload checkpoint %s to %s: %s", self.name, self.url, storage_failure(err))
         finally:
             shutil.rmtree(self.snapshot, ignore_errors=True)
 
@@ -353,9 +353,9 @@ def on_main(accelerator, what: str, config: TrainConfig, call) -> None:
             call()
         except UploadFailed as err:  # an earlier upload's, on a thread, or a snapshot's on the local disk
             what, failure = err.what, err.cause
-            reason = f"{type(failure).__name__}: {one_line(failure)}" if err.local else describe(failure)
+            reason = f"{type(failure).__name__}: {one_line(failure)}" if err.local else storage_failure(failure)
         except Exception as err:  # the storage library's own kinds
-            failure, reason = err, describe(err)
+            failure, reason = err, storage_failure(err)
     if not all_processes_agree(accelerator, failure is None):
         if failure is None:  # another process: the main one says which upload and why
             raise CheckpointWriteFailed(f"{reason}; the local run directory is intact")
@@ -407,8 +407,8 @@ def upload_run(accelerator, config: TrainConfig) -> None:
 def upload_final(mirror: Mirror, output_dir: Path) -> None:
     model = output_dir / MODEL_DIR
     mirror.put(sorted(p for p in model.rglob("*") if p.is_file()), model, mirror.path(MODEL_DIR))
-    mirror.put(existing(output_dir, RUN_FILES), output_dir, mirror.root)
-    logger.info("model/ and %s uploaded to %s", ", ".join(p.name for p in existing(output_dir, RUN_FILES)), mirror.url)
+    mirror.put(existing(output_dir, ROOT_FILES), output_dir, mirror.root)
+    logger.info("model/ and %s uploaded to %s", ", ".join(p.name for p in existing(output_dir, ROOT_FILES)), mirror.url)
 
 
 def existing(folder: Path, names: tuple[str, ...]) -> list[Path]:

@@ -13,7 +13,7 @@ files a glob names, or a Hub dataset), shuffled with a buffer and the seed; the 
   then the global batches, and so the losses, would depend on the process count).
 - Across data-loader workers: `datasets` gives each worker its own files (so use more shards than workers).
 - Exact resume: the stream is a function of the seed and the epoch, so its position is (epoch, steps taken in
-  that epoch): src/data.py's `DataPosition`, saved in every checkpoint. A resumed run reads and drops the batches
+  that epoch): src/batches.py's `DataPosition`, saved in every checkpoint. A resumed run reads and drops the batches
   already trained on: no shuffle buffer to save, at the cost of re-reading the epoch up to there. A step is the
   same global batch on any process count, so the position is too.
 """

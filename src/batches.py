@@ -1,27 +1,89 @@
-"""Index batches: training data held in tensors is batched by one gather per batch, with the indices the prepared
-loader's own batch sampler would yield (`EpochOrder`): the same batches, order, shards and padding as the DataLoader,
-without its per-sample calls and stacking (about what a tiny model's whole step costs on a CPU: docs/benchmark.md).
-
-tests/test_index_batches.py and the 1-vs-N tests check that it gives the DataLoader's numbers. This module reads the
-structure of Accelerate's prepared loaders (their batch sampler and its seedable sampler) to do so.
+"""Training batches, a whole accumulation window at a time: from the prepared DataLoader (`LoaderBatches`) or, for
+data held in tensors, one gather per batch with the indices the loader's own batch sampler would yield
+(`IndexBatches`): the same batches, order, shards and padding, without the per-sample calls and stacking (about what
+a tiny model's whole step costs on a CPU: docs/benchmark.md). tests/test_index_batches.py and the 1-vs-N tests check
+that both give the same numbers; this module reads the structure of Accelerate's prepared loaders to do so.
 """
 
-from collections.abc import Iterator
-from itertools import chain
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from itertools import chain, islice
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, SequentialSampler, Subset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, SequentialSampler, Subset, TensorDataset
 
 from src.config import TrainConfig
-from src.data import LoaderBatches
+from src.errors import UsageError
+
+
+@dataclass
+class DataPosition:
+    """Where training is in its data: the epoch, and the optimiser steps already taken in it. For data of known
+    length it follows from the step; a stream's is saved in every checkpoint (`register_for_checkpointing`)."""
+
+    epoch: int = 0
+    steps: int = 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.steps = state["epoch"], state["steps"]
+
+
+def train_windows(source, accumulation: int, position: DataPosition) -> Iterator[list]:
+    """The micro-batches of each optimiser step, a whole accumulation window at a time, epoch after epoch, from
+    `position` on (a resumed epoch skips the batches already trained on). An epoch's trailing partial window is
+    skipped, so every step sees one global batch. Runs until the caller stops; `position` moves with it.
+    `source.epoch(epoch, skip)`: an epoch's batches, a function of the seed and the epoch (the seedable sampler, or a
+    stream's shuffle)."""
+    while True:
+        batches = iter(source.epoch(position.epoch, skip=position.steps * accumulation))
+        while len(window := list(islice(batches, accumulation))) == accumulation:
+            position.steps += 1  # counted before training on it: a checkpoint follows the step
+            yield window
+        if position.steps == 0:
+            raise UsageError(
+                "the train data holds fewer samples than one global batch; use more data or a smaller batch"
+            )
+        position.epoch, position.steps = position.epoch + 1, 0
+
+
+def steps_per_epoch(loader: DataLoader, accumulation: int) -> int | None:
+    """Optimiser steps in an epoch of the train loader (whole accumulation windows), or None for a stream."""
+    return None if isinstance(loader.dataset, IterableDataset) else len(loader) // accumulation
+
+
+@runtime_checkable
+class EpochDependent(Protocol):
+    """A dataset whose samples depend on the epoch, e.g. augmentation drawn from a generator seeded by the seed, the
+    epoch and the sample's index (the image_classification task). `LoaderBatches` sets the epoch before each epoch's
+    iterator exists, so the loader's worker processes, which copy the dataset as the iterator starts, see it. (A
+    prepared loader calls a dataset's set_epoch itself only where the sampler has none; the seedable sampler has.)"""
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+
+class LoaderBatches:
+    """The prepared DataLoader, epoch by epoch; a resumed epoch skips the batches already trained on."""
+
+    def __init__(self, accelerator, loader: DataLoader):
+        self.accelerator, self.loader = accelerator, loader
+
+    def epoch(self, epoch: int, skip: int = 0) -> Iterable:
+        self.loader.set_epoch(epoch)  # the seedable sampler's permutation: a function of the seed and the epoch
+        dataset = self.loader.dataset.dataset if isinstance(self.loader.dataset, Subset) else self.loader.dataset
+        if isinstance(dataset, EpochDependent):
+            dataset.set_epoch(epoch)
+        return self.accelerator.skip_first_batches(self.loader, skip) if skip else self.loader
 
 
 @runtime_checkable
 class Gatherable(Protocol):
     """A dataset whose batch is one gather by a tensor of indices: what `default_collate` makes of the samples at
-    those indices, without fetching them one by one. `TensorDataset`s qualify as they are (see `gatherable`)."""
+    those indices. `TensorDataset`s qualify as they are (`gatherable`)."""
 
     def gather(self, indices: torch.Tensor): ...
 
@@ -74,12 +136,11 @@ def gatherable(dataset: Dataset) -> Gatherable | None:
 class EpochOrder:
     """This process's sample indices for an epoch, in one tensor: those the prepared loader's batch sampler yields.
 
-    Drawing them from the batch sampler costs Python generator steps per sample (docs/benchmark.md). Computed, an
-    epoch costs one randperm and one gather: a batch sampler, Accelerate's sharding and padding included, arranges
-    the *positions* of its sampler's sequence the same way every epoch, so the positions are read once from epoch 0
-    and an epoch's indices are its sequence at those positions. The sequence is computed for the samplers whose
-    order is known (`known_sequence`) and checked against the batch sampler on a second epoch at the start; any
-    other sampler, or a failed check, is drawn from.
+    Drawn from the batch sampler they cost Python generator steps per sample; computed, one randperm and one gather. A
+    batch sampler (Accelerate's sharding and padding included) arranges the *positions* of its sampler's sequence the
+    same way every epoch, so they are read once from epoch 0, and an epoch's indices are its sequence at them. The
+    sequence is computed where the sampler's order is known (`known_sequence`) and checked against the batch sampler
+    on a second epoch at the start; any other sampler, or a failed check, is drawn from.
     """
 
     def __init__(self, loader: DataLoader):
@@ -108,9 +169,8 @@ class EpochOrder:
 
 
 def known_sequence(sampler, epoch: int) -> torch.Tensor | None:
-    """The sampler's whole sequence for `epoch` as its own code computes it, or None when not known here:
-    Accelerate's SeedableRandomSampler (one randperm, its generator seeded with its seed + the epoch) and the
-    SequentialSampler (no shuffling)."""
+    """The sampler's whole sequence for `epoch` as its own code computes it, or None: Accelerate's
+    SeedableRandomSampler (one randperm, its generator seeded with its seed + the epoch), the SequentialSampler."""
     from accelerate.data_loader import SeedableRandomSampler
 
     if type(sampler) is SequentialSampler:
@@ -129,13 +189,9 @@ def flatten(batches: list[list[int]]) -> torch.Tensor:
 
 class IndexBatches:
     """The same batches as `LoaderBatches`, each one gather by the indices of the prepared loader's batch sampler
-    (the seedable sampler, sharded across processes by Accelerate: the same order, shards and padding; `EpochOrder`).
-
-    A DataLoader batch of small samples costs per-sample calls and stacking on a CPU, about what a tiny model's
-    whole step costs; a gather costs a small fraction of it (docs/benchmark.md). On a GPU, rows that take at most a
-    quarter of its free memory are moved there once. (The DataLoader also draws a worker seed from torch's global
-    RNG for each epoch's iterator; this path does not, so a model with dropout draws other masks here than through
-    the DataLoader.)
+    (`EpochOrder`). On a GPU, rows that take at most a quarter of its free memory are moved there once. (The
+    DataLoader also draws a worker seed from torch's global RNG for each epoch's iterator; this path does not, so a
+    model with dropout draws other masks here than through the DataLoader.)
     """
 
     def __init__(self, loader: DataLoader, dataset: Gatherable, device: torch.device):

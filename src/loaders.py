@@ -1,0 +1,129 @@
+"""DataLoaders from the task's datasets: train, eval, test and predict, checked before training starts.
+
+Accelerate shards them across processes later, in `accelerator.prepare`; nothing here knows about ranks. pin_memory
+(for a GPU): batches are collated into page-locked memory, which the GPU copies from without the host waiting
+(Accelerate's non_blocking transfer, src/distributed.py).
+"""
+
+import logging
+
+from torch.utils.data import DataLoader, Dataset, Subset, default_collate
+
+from src import features
+from src.config import TrainConfig
+from src.data import has_split
+from src.errors import TaskFailed, UsageError, describe, one_line
+
+logger = logging.getLogger(__name__)
+
+
+def global_batch(config: TrainConfig, accelerator) -> int:
+    """The samples of one optimiser step over all processes: per-device batch x processes x accumulation."""
+    return config.per_device_train_batch_size * accelerator.num_processes * accelerator.gradient_accumulation_steps
+
+
+def build_loaders(task, config: TrainConfig, accelerator, training: bool, pin_memory: bool = False):
+    """(train loader, eval loader) before `prepare`: the train loader when training (a feature's own, e.g. a stream
+    with --streaming, else over the task's datasets in memory), the eval loader when training or evaluating. Data in
+    memory is checked first: at least one global batch, fewer processes than eval samples, a first batch that
+    collates."""
+    train_loader = features.installed().train_loader(task, config, pin_memory) if training else None
+    if training and train_loader is None:
+        train_set, eval_set = task.build_datasets()
+        collate_fn = task.collate_fn()  # after the datasets: e.g. a padding collator needs the tokenizer they loaded
+        train_loader, eval_loader = build_dataloaders(train_set, eval_set, config, collate_fn, pin_memory)
+        check_split_sizes(train_loader, eval_loader, global_batch(config, accelerator), accelerator.num_processes)
+        check_first_batch(train_loader, task)
+        return train_loader, eval_loader
+    if not (training or config.do_eval):
+        return train_loader, None
+    eval_set = task.build_eval_dataset(config.eval_split)
+    return train_loader, build_eval_loader(eval_set, config, task.collate_fn(), config.max_eval_samples, pin_memory)
+
+
+def build_dataloaders(train_set: Dataset, eval_set: Dataset, config: TrainConfig, collate_fn=None, pin_memory=False):
+    if config.max_train_samples:
+        train_set = Subset(train_set, range(min(config.max_train_samples, len(train_set))))
+    train_loader = DataLoader(
+        train_set,
+        batch_size=config.per_device_train_batch_size,
+        shuffle=True,  # Accelerate replaces the sampler with a seedable one: same order on 1 or N processes
+        drop_last=config.dataloader_drop_last,
+        num_workers=config.dataloader_num_workers,
+        collate_fn=collate_fn,
+        pin_memory=pin_memory,
+    )
+    return train_loader, build_eval_loader(eval_set, config, collate_fn, config.max_eval_samples, pin_memory)
+
+
+def build_eval_loader(dataset: Dataset, config: TrainConfig, collate_fn=None, max_samples=None, pin_memory=False):
+    """In order, every sample once: after `prepare`, `gather_for_metrics` drops the padding of uneven shards."""
+    if max_samples:
+        dataset = Subset(dataset, range(min(max_samples, len(dataset))))
+    return DataLoader(
+        dataset,
+        batch_size=config.per_device_eval_batch_size,
+        num_workers=config.dataloader_num_workers,
+        collate_fn=collate_fn,
+        pin_memory=pin_memory,
+    )
+
+
+def build_test_loader(task, config: TrainConfig, pin_memory: bool = False):
+    """The labelled test split, evaluated at the end, when the data has one and --do_eval is on; else None."""
+    if not (config.do_eval and has_split(config, config.test_split)):
+        return None
+    dataset = task.build_eval_dataset(config.test_split)
+    return build_eval_loader(dataset, config, task.collate_fn(), config.max_predict_samples, pin_memory)
+
+
+def predicted_split(config: TrainConfig) -> str | None:
+    """What --do_predict predicts: the test split, or the eval split where the data has no test split."""
+    if not config.do_predict:
+        return None
+    return config.test_split if has_split(config, config.test_split) else config.eval_split
+
+
+def build_predict_loader(task, config: TrainConfig, split: str | None):
+    """The task's prediction inputs of `split` (unlabelled: prompts for a language model, not its eval blocks), one
+    per input row, in order; None without a split to predict."""
+    if split is None:
+        return None
+    inputs = task.build_eval_dataset(split, labelled=False)
+    return build_eval_loader(inputs, config, task.collate_fn(), config.max_predict_samples)
+
+
+def check_first_batch(loader: DataLoader, task) -> None:
+    """Collate one batch before training: a sample format the collate_fn can't batch is one line, not a traceback."""
+    dataset = loader.dataset
+    samples = [dataset[i] for i in range(min(loader.batch_size or 1, len(dataset)))]
+    try:
+        (loader.collate_fn or default_collate)(samples)
+    except Exception as err:
+        raise TaskFailed(
+            f"{type(task).__name__}: batching samples failed ({type(err).__name__}: {one_line(err)}); "
+            f"a sample is {describe(samples[0])}; samples of different sizes need a collate_fn that pads "
+            "(override the task's collate_fn(), e.g. DataCollatorWithPadding)"
+        ) from err
+
+
+def check_split_sizes(train_loader: DataLoader, eval_loader: DataLoader, global_batch: int, num_processes: int) -> None:
+    """Before `prepare`: a train split without one global batch, or fewer eval samples than processes, is an error."""
+    train_size, eval_size = len(train_loader.dataset), len(eval_loader.dataset)
+    if train_size < global_batch:
+        raise UsageError(
+            f"the train split has {train_size} samples, fewer than one global batch of {global_batch}; "
+            "lower --global_batch_size / --per_device_train_batch_size or use more data"
+        )
+    if eval_size < num_processes:
+        raise UsageError(
+            f"the eval split has {eval_size} samples, fewer than the {num_processes} processes; "
+            "use a larger eval split or fewer processes"
+        )
+    left_out = train_size % global_batch  # an epoch is whole global batches: the rest waits for the next epoch
+    if left_out > 0.1 * train_size:
+        logger.warning(
+            "the train split's %d samples fill %d global batches of %d an epoch: %d (%.0f%%) are left out of each "
+            "epoch (others each time, the order being shuffled); lower --global_batch_size to use more of them",
+            *(train_size, train_size // global_batch, global_batch, left_out, 100 * left_out / train_size),
+        )

@@ -1,0 +1,78 @@
+"""The deepspeed feature (src/features/deepspeed/): what a DeepSpeed launch can't do is one line. Its 1-vs-N and
+resume proofs are tests/test_sharded.py's, run for each accelerate config there is."""
+
+import dataclasses
+import importlib.util
+import sys
+
+import pytest
+import torch
+
+from src.config import TrainConfig
+from src.errors import LaunchError, UsageError
+from src.strategy import check_launch
+from tests.conftest import QUICK, REPO, run_command
+
+installed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="pip install deepspeed")
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [({"ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu"}, r"offloads to the CPU \(offload_optimizer_device\)"),
+     ({"ACCELERATE_GRADIENT_CLIPPING": "0.5"}, "sets gradient_clipping 0.5 but --max_grad_norm is 1.0")],
+)  # fmt: skip
+@installed
+def test_a_deepspeed_launch_this_machine_cannot_run_is_one_line(monkeypatch, env, message):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(LaunchError, match=message):
+        check_launch(use_cpu=True, config=TrainConfig())
+
+
+@installed
+def test_what_the_cpu_can_run_with_deepspeed_passes_the_launch_check(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_GRADIENT_CLIPPING", "1.0")
+    check_launch(use_cpu=True, config=TrainConfig())
+    check_launch(use_cpu=True)  # scripts/launch.py: the accelerate config alone
+
+
+@pytest.mark.parametrize(
+    "flag, message",
+    [("skip_nonfinite_batches", "--skip_nonfinite_batches does not work with DeepSpeed"),
+     ("torch_compile", "--torch_compile is not supported with DeepSpeed")],
+)  # fmt: skip
+@installed
+def test_what_deepspeed_cannot_do_is_one_line(monkeypatch, flag, message):
+    config = dataclasses.replace(TrainConfig(), **{flag: True})
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    check_launch(use_cpu=True, config=config)  # FSDP can
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(UsageError, match=message):
+        check_launch(use_cpu=True, config=config)
+
+
+def test_deepspeed_config_without_deepspeed_is_one_line(monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else find_spec(name))
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(LaunchError, match="asks for DeepSpeed, which is not installed; `pip install deepspeed`"):
+        check_launch(use_cpu=False, config=TrainConfig())
+
+
+@installed
+def test_launch_script_refuses_cpu_offload_in_one_line(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    text = (REPO / "accelerate_configs" / "deepspeed_zero3.yaml").read_text()
+    path = tmp_path / "deepspeed_zero3.yaml"
+    path.write_text(text.replace("offload_param_device: none", "offload_param_device: cpu"))
+    result = run_command([sys.executable, "scripts/launch.py", "--config_file", str(path),
+                          "--num_processes", "2", "train.py", *QUICK])  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]  # one line, nothing else
+    assert result.stderr.startswith(f"error: accelerate config {path}: ")
+    assert "offloads to the CPU (offload_param_device)" in result.stderr
