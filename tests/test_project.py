@@ -50,4 +50,3 @@ def test_makefile_targets_run_real_commands():
     lint = make("lint")
     ruff_summary = re.search(r"^(All checks passed!|Found \d+ errors?)", lint.stdout, flags=re.MULTILINE)
     assert ruff_summary, lint.stdout + lint.stderr
-
