@@ -21,7 +21,6 @@ from scripts.remove_feature import copy_of_repo, remove, with_dependents
 from tests.conftest import REPO, assert_ok, command_env
 from tests.helpers import assert_bash_blocks_run
 
-PAGE = "docs/your_own_project.md"
 MANIFEST = yaml.safe_load((REPO / "features.yaml").read_text())
 CHOICES = [name for name in MANIFEST if name != "generator"]
 GIT_ID = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.com", "GIT_COMMITTER_NAME": "t",
@@ -150,7 +149,7 @@ def test_copier_questions_follow_the_manifest():
 
 
 def test_every_command_of_the_page_is_run():
-    assert_bash_blocks_run(PAGE)
+    assert_bash_blocks_run("docs/your_own_project.md")
 
 
 @pytest.mark.slow
