@@ -51,9 +51,10 @@ def feature_paths(name: str, root: Path) -> list[Path]:
 
 
 def remove(name: str, root: Path) -> list[Path]:
-    """Delete the feature's files and its features.yaml entry, then what other pages say of it: marked lines and
-    regions (`strip_mentions`), and its options' tables in docs/config.md (as scripts/config_reference.py would write
-    them without it; read as text, so that a copier task can run this without torch)."""
+    """Delete the feature's files and its features.yaml entry, then what other pages (README, docs/, the accelerate
+    configs' comments) say of it: marked lines and regions (`strip_mentions`), and its options' tables in
+    docs/config.md (as scripts/config_reference.py would write them without it; read as text, so that a copier task
+    can run this without torch)."""
     removed = feature_paths(name, root)
     for path in removed:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
@@ -61,7 +62,8 @@ def remove(name: str, root: Path) -> list[Path]:
     manifest_file.write_text(
         re.sub(rf"^{re.escape(name)}:\n(?:[ #].*\n|\n)*", "", manifest_file.read_text(), flags=re.M)
     )
-    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md")), *sorted(root.glob("accelerate_configs/*.yaml"))]
+    for page in pages:  # (an accelerate config's comments may name a feature's script too)
         if page.is_file():
             text = page.read_text()
             stripped = strip_mentions(strip_options_tables(text, name), name)

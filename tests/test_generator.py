@@ -85,7 +85,18 @@ def traces(name: str) -> list[str]:
 
 # Where a trace counts: what a user reads and runs (the pages, configs, requirements, CI and setup). The code's
 # comments that cite a feature's page as the source of a measured figure are listed in the report of issue 36.
-READ = ("*.md", "*.yaml", "*.yml", "*.txt", "*.toml", "Makefile", ".ci/*", ".github/**/*", "configs/**/*.yaml")
+READ = (
+    "*.md",
+    "*.yaml",
+    "*.yml",
+    "*.txt",
+    "*.toml",
+    "Makefile",
+    ".ci/*",
+    ".github/**/*",
+    "configs/**/*.yaml",
+    "accelerate_configs/*.yaml",
+)
 
 
 def traces_left(project: Path, kept: list[str]) -> list[str]:
