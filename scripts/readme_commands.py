@@ -2,7 +2,7 @@
 
 python3 scripts/readme_commands.py quickstart                          # the two Quickstart commands (README.md)
 python3 scripts/readme_commands.py launch                              # the launch commands
-python3 scripts/readme_commands.py --page docs/streaming.md streaming  # a section of a docs/ page
+python3 scripts/readme_commands.py --page docs/resume.md resume        # a section of a docs/ page
 """
 
 import re

@@ -51,8 +51,10 @@ def feature_paths(name: str, root: Path) -> list[Path]:
 
 
 def remove(name: str, root: Path) -> list[Path]:
-    """Delete the feature's files and its features.yaml entry, then what other pages say of it: marked lines and
-    regions (`strip_mentions`), and its options' table in docs/config.md."""
+    """Delete the feature's files and its features.yaml entry, then what other pages (README, docs/, the accelerate
+    configs' comments) say of it: marked lines and regions (`strip_mentions`), and its options' tables in
+    docs/config.md (as scripts/config_reference.py would write them without it; read as text, so that a copier task
+    can run this without torch)."""
     removed = feature_paths(name, root)
     for path in removed:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
@@ -60,12 +62,11 @@ def remove(name: str, root: Path) -> list[Path]:
     manifest_file.write_text(
         re.sub(rf"^{re.escape(name)}:\n(?:[ #].*\n|\n)*", "", manifest_file.read_text(), flags=re.M)
     )
-    if (root / "scripts" / "config_reference.py").is_file():  # docs/config.md's tables: without its options
-        subprocess.run([sys.executable, "scripts/config_reference.py"], cwd=root, check=True)
-    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md")), *sorted(root.glob("accelerate_configs/*.yaml"))]
+    for page in pages:  # (an accelerate config's comments may name a feature's script too)
         if page.is_file():
             text = page.read_text()
-            stripped = strip_mentions(text, name)
+            stripped = strip_mentions(strip_options_tables(text, name), name)
             if stripped != text:
                 page.write_text(stripped)
     return removed
@@ -85,6 +86,12 @@ def strip_mentions(text: str, name: str) -> str:
         elif not stripped.endswith((marker, f"[feature: {name}]")):
             kept.append(line)
     return "".join(kept)
+
+
+def strip_options_tables(text: str, name: str) -> str:
+    """docs/config.md's reference without the tables of feature `name`'s options and tasks: each blank-line-separated
+    block whose heading names `src/features/NAME/`, with its table."""
+    return re.sub(rf"\n\n[^\n]*`src/features/{re.escape(name)}/[^\n]*\n\n(?:\|[^\n]*\n)*\|[^\n]*", "", text)
 
 
 def copy_of_repo(destination: Path) -> Path:

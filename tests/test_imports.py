@@ -41,8 +41,9 @@ print(json.dumps(sorted(name for name in {names!r} if name in sys.modules)))
 def test_a_default_run_imports_only_what_it_uses(tmp_path):
     """The digits example in a fresh process, with its final eval, checkpoint and model save, then predictions from
     that model (ids read from Parquet) and a tabular run: none of the libraries they don't use, though all are
-    installed here (deepspeed: Accelerate's unwrap would import it, mlflow with it)."""
-    for name in ("datasets", "evaluate", "deepspeed"):
+    installed here (deepspeed, where the deepspeed feature's requirements are: Accelerate's unwrap would import it,
+    mlflow with it)."""
+    for name in ("datasets", "evaluate"):  # the core's requirements
         assert importlib.util.find_spec(name) is not None, f"{name} is not installed: the check would prove nothing"
     run, table = tmp_path / "run", tmp_path / "table.parquet"
     rng = np.random.default_rng(0)

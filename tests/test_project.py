@@ -10,7 +10,6 @@ import sys
 import pytest
 
 from tests.conftest import REPO, assert_ok, run_command, run_python
-from tests.helpers import copy_of_the_repo
 
 
 def test_ruff_lint_and_format_are_clean():
@@ -51,33 +50,3 @@ def test_makefile_targets_run_real_commands():
     lint = make("lint")
     ruff_summary = re.search(r"^(All checks passed!|Found \d+ errors?)", lint.stdout, flags=re.MULTILINE)
     assert ruff_summary, lint.stdout + lint.stderr
-
-
-def test_new_project_renames_a_copy_of_the_template(tmp_path):
-    from scripts.new_project import current_name
-
-    copy = copy_of_the_repo(tmp_path / "mine")
-    old = current_name(copy)
-    new = f"{old}-fork"  # derived from the current name: this test passes in a renamed project too
-    assert_ok(run_python("scripts/new_project.py", new, cwd=copy))
-    assert f'name = "{new}"' in (copy / "pyproject.toml").read_text()
-    assert f'project_name: str = "{new}"' in (copy / "src/config.py").read_text()
-    assert (copy / "README.md").read_text().startswith(f"# {new}")
-    assert f"# {old}\n" not in (copy / "README.md").read_text()
-    assert_ok(run_python("scripts/new_project.py", "other", cwd=copy))  # a renamed project renames again
-    assert current_name(copy) == "other"
-    assert run_python("scripts/new_project.py", "other", cwd=copy).returncode == 2  # already its name
-    assert run_python("scripts/new_project.py", "no spaces", cwd=copy).returncode == 2
-
-
-@pytest.mark.slow
-def test_a_renamed_project_passes_its_own_fast_tests(tmp_path):
-    """The fork's own suite: rename a copy, then run the fast tests of what the rename touches (the config and its
-    reference, the README and docs, lint, the tracker's project name, the module map)."""
-    copy = copy_of_the_repo(tmp_path / "mine")
-    assert_ok(run_python("scripts/new_project.py", "my-project", cwd=copy))
-    touched = [f"tests/test_{name}.py" for name in ("config", "docs", "project", "tracking", "layout")]
-    pytest_args = ["-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider", *touched]
-    result = run_python(*pytest_args, cwd=copy, timeout=900)
-    assert_ok(result)
-    assert " passed" in result.stdout and "failed" not in result.stdout

@@ -1,0 +1,48 @@
+"""copier's task after it copied this template's files (copier.yml: `_tasks`; run from the template's own checkout
+in the new project's folder): name the project, and take out what the pages say of the features left out.
+
+    python <template>/scripts/copier_task.py NAME DESCRIPTION KEPT   # KEPT: the chosen features, comma-separated
+
+copier left the files of the features not chosen out already (`_exclude`); scripts/remove_feature.py then drops
+their features.yaml entries, their marked README/docs lines and their options' tables in docs/config.md, as it does
+in a clone. The generator feature goes always: a generated project is not a template. It runs with copier's own
+Python (which has PyYAML, copier's dependency) and needs nothing else.
+"""
+
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from scripts.remove_feature import manifest, remove, with_dependents  # noqa: E402
+
+RENAMED = ("pyproject.toml", "src/config.py", "README.md", "docs/config.md")  # where the template's name is
+
+
+def rename(root: Path, name: str, description: str) -> None:
+    """The template's name -> `name` wherever it stands (the package, the tracker's project, the README's title,
+    docs/config.md's default), and pyproject.toml's description -> `description`."""
+    pyproject = (root / "pyproject.toml").read_text()
+    old = re.search(r'^name = "([^"]+)"', pyproject, flags=re.M).group(1)
+    for relative in RENAMED:
+        path = root / relative
+        if path.is_file():
+            path.write_text(path.read_text().replace(old, name))
+    pyproject = (root / "pyproject.toml").read_text()
+    quoted = description.replace("\\", "\\\\").replace('"', '\\"')
+    (root / "pyproject.toml").write_text(re.sub(r'^description = ".*"$', f'description = "{quoted}"', pyproject,
+                                                count=1, flags=re.M))  # fmt: skip
+
+
+def main() -> int:
+    name, description, kept = sys.argv[1], sys.argv[2], set(filter(None, sys.argv[3].split(",")))
+    root = Path.cwd()
+    left_out = with_dependents(["generator", *(feature for feature in manifest() if feature not in kept)])
+    for feature in left_out:
+        remove(feature, root)
+    rename(root, name, description)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
