@@ -265,7 +265,8 @@ def built_once(request, name: str):
 def hf_assets(request) -> dict[str, str]:
     """A tiny BERT and GPT-2 with tokenizers trained here, and a text-classification data set: all offline, built
     once per test run, by both scripts with their defaults in an empty folder (tests/test_hf.py, test_sharded.py,
-    test_hf_assets.py, which checks what the defaults make). Skipped where the hf feature was removed."""
+    test_streaming.py, test_hf_assets.py, which checks what the defaults make). Skipped where the hf feature was
+    removed."""
     if not (REPO / "scripts" / "make_tiny_model.py").is_file():
         pytest.skip("the hf feature is not in this project")
     pytest.importorskip("transformers")
