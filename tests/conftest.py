@@ -250,10 +250,10 @@ def pytest_xdist_auto_num_workers(config) -> int:
 # the most tests first, which sent the single 80 s lean-core check last). The rest follow in their usual order; a
 # name that is no longer here (a feature removed) drops out.
 LONGEST_FIRST = [
-    "test_hf.py", "test_sharded.py", "test_adapters.py", "test_checkpoint.py", "test_object_storage.py",
-    "test_streaming.py", "test_lean_core.py", "test_ray.py", "test_images.py", "test_distributed.py", "test_sweep.py",
-    "test_customize.py", "test_errors.py", "test_tracking.py", "test_docs.py", "test_lm.py", "test_predict.py",
-    "test_cluster_launch.py", "test_scale.py", "test_setup.py", "test_benchmark.py", "test_project.py",
+    "test_hf.py", "test_sharded.py", "test_adapters.py", "test_checkpoint.py", "test_distributed.py", "test_lm.py",
+    "test_scale.py", "test_streaming.py", "test_customize.py", "test_sweep.py", "test_tracking.py", "test_docs.py",
+    "test_predict.py", "test_cluster_launch.py", "test_object_storage.py", "test_lean_core.py", "test_benchmark.py",
+    "test_ray.py", "test_images.py", "test_readme.py", "test_errors.py", "test_setup.py", "test_project.py",
 ]  # fmt: skip
 
 
