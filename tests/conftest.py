@@ -244,6 +244,24 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return max(1, min(cores, 4))
 
 
+# The test files that take longest, longest first (an estimate from --durations on the 2-core VM, 2026-12-02; rerun
+# `pytest --durations=0` to refresh it): pytest-xdist hands them out first, so that none of them starts last and sets
+# the suite's length alone (pyproject.toml's --no-loadscope-reorder keeps this order; xdist's own puts the files with
+# the most tests first, which sent the single 80 s lean-core check last). The rest follow in their usual order; a
+# name that is no longer here (a feature removed) drops out.
+LONGEST_FIRST = [
+    "test_hf.py", "test_sharded.py", "test_adapters.py", "test_checkpoint.py", "test_distributed.py", "test_lm.py",
+    "test_scale.py", "test_streaming.py", "test_customize.py", "test_sweep.py", "test_tracking.py", "test_docs.py",
+    "test_predict.py", "test_cluster_launch.py", "test_object_storage.py", "test_lean_core.py", "test_benchmark.py",
+    "test_ray.py", "test_images.py", "test_readme.py", "test_errors.py", "test_setup.py", "test_project.py",
+]  # fmt: skip
+
+
+def pytest_collection_modifyitems(items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 @contextlib.contextmanager
 def built_once(request, name: str):
     """(folder, whether it still has to be built): one folder for the whole test run, shared by pytest-xdist's
@@ -265,7 +283,8 @@ def built_once(request, name: str):
 def hf_assets(request) -> dict[str, str]:
     """A tiny BERT and GPT-2 with tokenizers trained here, and a text-classification data set: all offline, built
     once per test run, by both scripts with their defaults in an empty folder (tests/test_hf.py, test_sharded.py,
-    test_hf_assets.py, which checks what the defaults make). Skipped where the hf feature was removed."""
+    test_streaming.py, test_hf_assets.py, which checks what the defaults make). Skipped where the hf feature was
+    removed."""
     if not (REPO / "scripts" / "make_tiny_model.py").is_file():
         pytest.skip("the hf feature is not in this project")
     pytest.importorskip("transformers")

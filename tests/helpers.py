@@ -187,25 +187,26 @@ def assert_same_training(runs: dict, steps: int) -> list[dict]:
     return final
 
 
-# `python -c LM_EVAL model_dir eval.jsonl [peft]`: a saved causal LM's mean token loss on the eval file, printed
-LM_EVAL = """
-import json, sys, torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-model_dir, eval_file = sys.argv[1:3]
-if sys.argv[3:] == ["peft"]:  # an adapter folder, by PEFT's own loader
-    from peft import AutoPeftModelForCausalLM as AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-tokenizer = AutoTokenizer.from_pretrained(model_dir)
-total = count = 0.0
-with torch.no_grad():
-    for row in (json.loads(line) for line in open(eval_file)):
-        ids = tokenizer(row["text"], truncation=True, max_length=64, return_tensors="pt")["input_ids"]
-        if ids.shape[1] > 1:
-            logits = model(input_ids=ids).logits[0, :-1].float()
-            total += torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum").item()
-            count += ids.shape[1] - 1
-print(total / count)
-"""
+def lm_eval_loss(model_dir, eval_file, peft: bool = False) -> float:
+    """A saved causal LM's mean token loss on the eval file, loaded as a user loads it: from_pretrained, or an adapter
+    folder by PEFT's own loader (`peft`). In this process: a load needs nothing a fresh one would have."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if peft:
+        from peft import AutoPeftModelForCausalLM as AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    total = count = 0.0
+    with torch.no_grad():
+        for row in (json.loads(line) for line in Path(eval_file).read_text().splitlines()):
+            ids = tokenizer(row["text"], truncation=True, max_length=64, return_tensors="pt")["input_ids"]
+            if ids.shape[1] > 1:
+                logits = model(input_ids=ids).logits[0, :-1].float()
+                total += torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum").item()
+                count += ids.shape[1] - 1
+    return total / count
 
 
 # --- accelerate launch, resolved without launching ---

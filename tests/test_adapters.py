@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import QUICK, assert_ok, assert_processes, read_metrics, run_main, run_snippet, run_train
+from tests.conftest import QUICK, assert_ok, assert_processes, read_metrics, run_main, run_train
 from tests.helpers import (
-    LM_EVAL,
     STRATEGIES,
     assert_error_line,
     assert_same_training,
     classification,
     language_modeling,
+    lm_eval_loss,
     strategy_params,
 )
 
@@ -64,19 +64,14 @@ def test_only_the_adapter_trains_the_same_on_1_and_2_processes(lm_runs, hf_asset
 
 @pytest.mark.parametrize("loader", ["peft", "transformers"])
 def test_peft_and_transformers_reload_the_adapter_to_the_logged_eval_loss(lm_runs, hf_assets, loader):
-    result = run_snippet(LM_EVAL, str(lm_runs[2] / "model"), hf_assets["eval"], loader)
-    assert_ok(result)
-    logged = read_metrics(lm_runs[2])[-1]["eval/loss"]
-    assert float(result.stdout.strip().splitlines()[-1]) == pytest.approx(logged, rel=1e-5)
+    loss = lm_eval_loss(lm_runs[2] / "model", hf_assets["eval"], peft=loader == "peft")
+    assert loss == pytest.approx(read_metrics(lm_runs[2])[-1]["eval/loss"], rel=1e-5)
 
 
 def test_the_merged_model_loads_with_from_pretrained_to_the_eval_loss(lm_runs, hf_assets):
     model = lm_runs[1] / "model"
     assert (model / "config.json").is_file() and not (model / "adapter_config.json").exists()
-    result = run_snippet(LM_EVAL, str(model), hf_assets["eval"])
-    assert_ok(result)
-    logged = read_metrics(lm_runs[1])[-1]["eval/loss"]
-    assert float(result.stdout.strip().splitlines()[-1]) == pytest.approx(logged, rel=1e-5)
+    assert lm_eval_loss(model, hf_assets["eval"]) == pytest.approx(read_metrics(lm_runs[1])[-1]["eval/loss"], rel=1e-5)
 
 
 def test_eval_only_and_predict_on_the_adapter_folder(lm_runs, hf_assets, tmp_path):
@@ -109,22 +104,21 @@ def test_sharded_adapter_trains_and_saves_as_ddp_does(lm_runs, hf_assets, tmp_pa
 
 # --- a classifier: its label map saved beside the adapter, the best checkpoint kept ---
 
-CLASSIFIER_EVAL = """
-import json, sys, torch
-from pathlib import Path
-from peft import AutoPeftModelForSequenceClassification
-from transformers import AutoTokenizer
-model_dir, eval_file = Path(sys.argv[1]), sys.argv[2]
-id2label = {int(i): name for i, name in json.loads((model_dir / "labels.json").read_text())["id2label"].items()}
-model = AutoPeftModelForSequenceClassification.from_pretrained(model_dir, id2label=id2label).eval()
-tokenizer = AutoTokenizer.from_pretrained(model_dir)
-rows = [json.loads(line) for line in open(eval_file)]
-with torch.no_grad():
-    logits = [model(**tokenizer(r["text"], truncation=True, max_length=128, return_tensors="pt")).logits[0]
-              for r in rows]
-predicted = [model.config.id2label[int(l.argmax())] for l in logits]
-print(json.dumps({"accuracy": sum(p == r["label"] for p, r in zip(predicted, rows)) / len(rows)}))
-"""
+
+def classifier_accuracy(model_dir: Path, eval_file: str) -> float:
+    """The eval accuracy of a saved classifier adapter, loaded by PEFT with the label map saved beside it."""
+    from peft import AutoPeftModelForSequenceClassification
+    from transformers import AutoTokenizer
+
+    id2label = {int(i): name for i, name in json.loads((model_dir / "labels.json").read_text())["id2label"].items()}
+    model = AutoPeftModelForSequenceClassification.from_pretrained(model_dir, id2label=id2label).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rows = [json.loads(line) for line in Path(eval_file).read_text().splitlines()]
+    with torch.no_grad():
+        logits = [model(**tokenizer(r["text"], truncation=True, max_length=128, return_tensors="pt")).logits[0]
+                  for r in rows]  # fmt: skip
+    predicted = [model.config.id2label[int(logit.argmax())] for logit in logits]
+    return sum(p == r["label"] for p, r in zip(predicted, rows, strict=True)) / len(rows)
 
 
 @pytest.fixture(scope="module")
@@ -140,9 +134,7 @@ def test_the_best_classifier_adapter_reloads_with_its_labels(classifier, hf_asse
     best = json.loads((classifier / "eval_results.json").read_text())
     evals = [row["eval/accuracy"] for row in read_metrics(classifier) if "eval/accuracy" in row]
     assert best["eval/accuracy"] == max(evals) and len(set(evals)) > 1  # the adapter learned; the best is kept
-    result = run_snippet(CLASSIFIER_EVAL, str(classifier / "model"), hf_assets["eval"])
-    assert_ok(result)
-    assert json.loads(result.stdout.strip().splitlines()[-1])["accuracy"] == best["eval/accuracy"]
+    assert classifier_accuracy(classifier / "model", hf_assets["eval"]) == best["eval/accuracy"]
 
 
 def test_eval_only_from_the_run_config_reproduces_the_best_and_predicts_label_names(classifier, hf_assets):
@@ -159,13 +151,6 @@ def test_eval_only_from_the_run_config_reproduces_the_best_and_predicts_label_na
 
 # --- bad input: one line, exit 2, nothing written ---
 
-CTRL_MODEL = """
-import sys
-from transformers import CTRLConfig, CTRLLMHeadModel
-CTRLLMHeadModel(CTRLConfig(vocab_size=2000, n_embd=16, n_layer=1, n_head=2, dff=32, n_positions=64)).save_pretrained(
-    sys.argv[1])
-"""
-
 
 @pytest.mark.parametrize(
     "flags, pattern",
@@ -179,7 +164,10 @@ CTRLLMHeadModel(CTRLConfig(vocab_size=2000, n_embd=16, n_layer=1, n_head=2, dff=
 )
 def test_bad_adapter_options(hf_assets, tmp_path, flags, pattern):
     if "CTRL" in flags:
-        assert_ok(run_snippet(CTRL_MODEL, str(tmp_path / "ctrl")))
+        from transformers import CTRLConfig, CTRLLMHeadModel
+
+        config = CTRLConfig(vocab_size=2000, n_embd=16, n_layer=1, n_head=2, dff=32, n_positions=64)
+        CTRLLMHeadModel(config).save_pretrained(tmp_path / "ctrl")
         flags = ["--model_name_or_path", str(tmp_path / "ctrl"), "--tokenizer_name", hf_assets["gpt2"]]
     out = tmp_path / "run"
     assert_error_line(run_main(*language_modeling(hf_assets, "--peft", "lora", *QUICK, *flags), "--output_dir",

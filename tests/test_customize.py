@@ -27,6 +27,7 @@ from tests.conftest import (
     launch_command,
     read_metrics,
     run_command,
+    run_main,
     run_train,
     series,
 )
@@ -71,7 +72,7 @@ def test_tabular_csv_with_an_mlp_and_a_metric_from_the_guide(tmp_path):
     metric_dir.mkdir()
     (metric_dir / "f1_macro.py").write_text(code_block("# src/evaluate_metrics/f1_macro/f1_macro.py"))
     out = tmp_path / "run"
-    result = run_train(
+    result = run_main(
         "--task", "tabular", "--data_files", f"{{train: {files['train']}, eval: {files['eval']}}}",
         "--label_column", "digit", "--hidden_size", "64", "--max_steps", "120",
         "--metrics", f"[accuracy, {metric_dir}]", "--output_dir", str(out),
@@ -87,11 +88,11 @@ def test_tabular_with_named_features_and_a_bad_task_arg(tmp_path):
     files = digits_as_csv(tmp_path)
     data = ["--data_files", f"{{train: {files['train']}, eval: {files['eval']}}}", "--label_column", "digit"]
     out = tmp_path / "run"
-    named = run_train("--task", "tabular", *data, "--features", "[p20, p28, p36, p44]",
-                      "--max_steps", "10", "--output_dir", str(out))  # fmt: skip
+    named = run_main("--task", "tabular", *data, "--features", "[p20, p28, p36, p44]",
+                     "--max_steps", "10", "--output_dir", str(out))  # fmt: skip
     assert_ok(named)
     assert read_metrics(out)[0]["setup/parameters"] == 4 * 64 + 64 + 64 * 64 + 64 + 64 * 10 + 10
-    bad = run_train("--task", "tabular", *data, "--hidden", "8", "--output_dir", str(tmp_path / "bad"))
+    bad = run_main("--task", "tabular", *data, "--hidden", "8", "--output_dir", str(tmp_path / "bad"))
     assert bad.returncode == 2 and "did you mean --hidden_size?" in bad.stderr.splitlines()[-1]
 
 
@@ -109,27 +110,27 @@ def test_a_task_written_from_the_guide_trains_the_same_on_1_and_2_processes(tmp_
 
     files = f"{{train: {data / 'train.jsonl'}, eval: {data / 'eval.jsonl'}}}"
     task = ["--task", "guide_tasks.sequences", "--data_files", files]
-    env = {"PYTHONPATH": str(tmp_path)}
     args = [*task, "--embedding_dim", "16", "--learning_rate", "1e-2", "--max_steps", "60",
             "--logging_steps", "1", "--eval_steps", "1000"]  # fmt: skip
     runs = {n: tmp_path / f"run{n}" for n in (1, 2)}
-    for n, out in runs.items():
-        assert_ok(run_train(*args, "--output_dir", str(out), processes=n, env=env))
-        assert_processes(out, n)
-    one, two = (read_metrics(runs[n]) for n in (1, 2))
-    losses = [series(rows, "train/loss") for rows in (one, two)]
-    assert list(losses[0]) == list(range(1, 61)) == list(losses[1])
-    torch.testing.assert_close(torch.tensor(list(losses[1].values())), torch.tensor(list(losses[0].values())),
-                               atol=1e-5, rtol=0)  # fmt: skip
-    final = [rows[-1] for rows in (one, two)]
-    assert final[0]["eval/num_samples"] == final[1]["eval/num_samples"] == 101
-    assert final[0]["eval/accuracy"] == final[1]["eval/accuracy"] > 0.8  # 3 classes: chance is 1/3
-
-    saved = yaml.safe_load((runs[2] / "config.yaml").read_text())
-    assert saved["task"] == "guide_tasks.sequences" and saved["embedding_dim"] == 16
-    assert saved["tokens_column"] == "tokens" and "task_args" not in saved
-    monkeypatch.syspath_prepend(str(tmp_path))  # the option's checks and help, in this process: no more runs
+    monkeypatch.syspath_prepend(str(tmp_path))  # 1 process: in this one, as are the option's checks and help
     try:
+        assert_ok(run_main(*args, "--output_dir", str(runs[1])))
+        assert_ok(run_train(*args, "--output_dir", str(runs[2]), processes=2, env={"PYTHONPATH": str(tmp_path)}))
+        for n, out in runs.items():
+            assert_processes(out, n)
+        one, two = (read_metrics(runs[n]) for n in (1, 2))
+        losses = [series(rows, "train/loss") for rows in (one, two)]
+        assert list(losses[0]) == list(range(1, 61)) == list(losses[1])
+        torch.testing.assert_close(torch.tensor(list(losses[1].values())), torch.tensor(list(losses[0].values())),
+                                   atol=1e-5, rtol=0)  # fmt: skip
+        final = [rows[-1] for rows in (one, two)]
+        assert final[0]["eval/num_samples"] == final[1]["eval/num_samples"] == 101
+        assert final[0]["eval/accuracy"] == final[1]["eval/accuracy"] > 0.8  # 3 classes: chance is 1/3
+
+        saved = yaml.safe_load((runs[2] / "config.yaml").read_text())
+        assert saved["task"] == "guide_tasks.sequences" and saved["embedding_dim"] == 16
+        assert saved["tokens_column"] == "tokens" and "task_args" not in saved
         with pytest.raises(UsageError, match=r"--embeding_dim 16; did you mean --embedding_dim\?"):
             parse_config([*task, "--embeding_dim", "16"])
         with pytest.raises(UsageError, match="embedding_dim.*Expected a <class 'int'>"):
@@ -216,8 +217,8 @@ def test_the_guides_ema_is_the_same_on_1_and_2_processes_and_survives_a_resume(t
     final = load_file(tmp_path / "run1" / "model" / "model.safetensors")
     assert max((one[name] - final[name]).abs().max().item() for name in one) > 1e-3  # the EMA is another model
 
-    evaluated = run_train("--do_train", "false", "--model_name_or_path", str(tmp_path / "run1" / "ema0"),
-                          "--output_dir", str(tmp_path / "ema_eval"))  # fmt: skip
+    evaluated = run_main("--do_train", "false", "--model_name_or_path", str(tmp_path / "run1" / "ema0"),
+                         "--output_dir", str(tmp_path / "ema_eval"))  # fmt: skip
     assert_ok(evaluated)
     ema_loss = json.loads((tmp_path / "ema_eval" / "eval_results.json").read_text())["eval/loss"]
     assert abs(ema_loss - read_metrics(tmp_path / "run1")[-1]["eval/loss"]) > 1e-4
@@ -254,19 +255,22 @@ class SignEvaluated(Sign):
 
 
 @pytest.mark.slow
-def test_a_task_with_its_own_data_needs_no_data_files_and_says_what_evaluation_needs(tmp_path):
+def test_a_task_with_its_own_data_needs_no_data_files_and_says_what_evaluation_needs(tmp_path, monkeypatch):
     """A task that makes its data trains and predicts without --data_files (rows without ids); evaluating one without
     build_eval_dataset() and without training is one error line naming that method, exit 2, before anything is
     written."""
     (tmp_path / "sign_task.py").write_text(IN_MEMORY_TASK)
-    env = {"PYTHONPATH": str(tmp_path)}
-    trained = run_train("--task", "sign_task.SignEvaluated", *QUICK, "--do_predict", "true",
-                        "--output_dir", str(tmp_path / "run"), env=env)  # fmt: skip
-    assert_ok(trained)
+    monkeypatch.syspath_prepend(str(tmp_path))  # the runs: in this process
+    try:
+        trained = run_main("--task", "sign_task.SignEvaluated", *QUICK, "--do_predict", "true",
+                           "--output_dir", str(tmp_path / "run"))  # fmt: skip
+        assert_ok(trained)
+        evaluated = run_main("--task", "sign_task.Sign", "--do_train", "false", "--model_name_or_path",
+                             str(tmp_path / "run"), "--output_dir", str(tmp_path / "eval"))  # fmt: skip
+    finally:
+        sys.modules.pop("sign_task", None)
     assert (tmp_path / "run" / "model" / "model.safetensors").is_file()
     rows = [json.loads(line) for line in (tmp_path / "run" / "predictions.jsonl").read_text().splitlines()]
     assert len(rows) == 16 and set(rows[0]) == {"prediction", "probabilities"}
-    evaluated = run_train("--task", "sign_task.Sign", "--do_train", "false", "--model_name_or_path",
-                          str(tmp_path / "run"), "--output_dir", str(tmp_path / "eval"), env=env)  # fmt: skip
     assert_error_line(evaluated, r"--task Sign has no build_eval_dataset\(split, labelled\).*docs/customize.md")
     assert not (tmp_path / "eval").exists()

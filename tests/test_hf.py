@@ -22,19 +22,18 @@ from tests.conftest import (
     run_main,
     run_on,
     run_python,
-    run_snippet,
     run_train,
     run_with_hook,
     series,
     signal_at,
 )
 from tests.helpers import (
-    LM_EVAL,
     assert_bash_blocks_run,
     assert_same_training,
     classification,
     copy_of_the_repo,
     language_modeling,
+    lm_eval_loss,
     losses,
 )
 
@@ -73,21 +72,21 @@ def test_text_classification_trains_the_same_on_1_and_2_processes(classified):
     assert final[0]["eval/accuracy"] == final[1]["eval/accuracy"] and final[0]["eval/num_samples"] > 0
 
 
-PREDICT = """
-import json, sys, torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline
-model_dir, eval_file = sys.argv[1:3]
-model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
-tokenizer = AutoTokenizer.from_pretrained(model_dir)
-rows = [json.loads(line) for line in open(eval_file)]
-with torch.no_grad():
-    predicted = [model.config.id2label[model(**tokenizer(r["text"], truncation=True, max_length=128,
-                 return_tensors="pt")).logits.argmax(-1).item()] for r in rows]
-classify = pipeline("text-classification", model=model_dir)
-print(json.dumps({"accuracy": sum(p == r["label"] for p, r in zip(predicted, rows)) / len(rows),
-                  "pipeline": classify(rows[0]["text"])[0]["label"], "first": predicted[0],
-                  "labels": sorted(model.config.label2id)}))
-"""
+def predict_with_from_pretrained(model_dir: Path, eval_file: str) -> dict:
+    """The saved classifier as a user loads it (from_pretrained, and a transformers pipeline): its accuracy on the
+    eval file, the pipeline's and the model's label for the first text, and its label names."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline
+
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rows = [json.loads(line) for line in Path(eval_file).read_text().splitlines()]
+    with torch.no_grad():
+        predicted = [model.config.id2label[model(**tokenizer(r["text"], truncation=True, max_length=128,
+                     return_tensors="pt")).logits.argmax(-1).item()] for r in rows]  # fmt: skip
+    classify = pipeline("text-classification", model=str(model_dir))
+    return {"accuracy": sum(p == r["label"] for p, r in zip(predicted, rows, strict=True)) / len(rows),
+            "pipeline": classify(rows[0]["text"])[0]["label"], "first": predicted[0],
+            "labels": sorted(model.config.label2id)}  # fmt: skip
 
 
 @pytest.mark.slow
@@ -96,9 +95,7 @@ def test_saved_model_loads_with_from_pretrained_and_reproduces_the_eval_accuracy
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
         p.name for p in model_dir.iterdir()
     }
-    result = run_snippet(PREDICT, str(model_dir), assets["eval"])
-    assert_ok(result)
-    loaded = json.loads(result.stdout.strip().splitlines()[-1])
+    loaded = predict_with_from_pretrained(model_dir, assets["eval"])
     assert loaded["accuracy"] == read_metrics(classified[2])[-1]["eval/accuracy"]  # exactly what the run logged
     labels = sorted({json.loads(line)["label"] for line in Path(assets["eval"]).read_text().splitlines()})
     assert loaded["labels"] == labels and all(isinstance(label, str) for label in labels)  # string labels kept
@@ -207,10 +204,8 @@ def test_language_model_generates_the_same_text_on_1_and_2_processes(modeled, tm
 
 @pytest.mark.slow
 def test_saved_language_model_reproduces_the_eval_loss(modeled, assets):
-    result = run_snippet(LM_EVAL, str(modeled[2] / "model"), assets["eval"])
-    assert_ok(result)
-    assert float(result.stdout.strip().splitlines()[-1]) == pytest.approx(read_metrics(modeled[2])[-1]["eval/loss"],
-                                                                         rel=1e-5)  # fmt: skip
+    loss = lm_eval_loss(modeled[2] / "model", assets["eval"])
+    assert loss == pytest.approx(read_metrics(modeled[2])[-1]["eval/loss"], rel=1e-5)
 
 
 @pytest.mark.slow
@@ -239,10 +234,9 @@ def test_resumed_text_classification_continues_bit_for_bit(assets, tmp_path):
     assert series(read_metrics(out), "train/loss") == series(read_metrics(full), "train/loss")  # bit for bit
     exported = out / "checkpoints" / "step_8" / "model"  # every checkpoint also in Hugging Face format
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in exported.iterdir()}
-    load = (
-        "import sys; from transformers import AutoModelForSequenceClassification as A; A.from_pretrained(sys.argv[1])"
-    )
-    assert_ok(run_snippet(load, str(exported)))
+    from transformers import AutoModelForSequenceClassification
+
+    AutoModelForSequenceClassification.from_pretrained(exported)
 
 
 @pytest.mark.slow

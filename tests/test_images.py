@@ -21,7 +21,6 @@ from tests.conftest import (
     assert_processes,
     read_metrics,
     run_command,
-    run_snippet,
     run_with_hook,
     series,
     signal_at,
@@ -188,17 +187,16 @@ def test_killed_and_resumed_run_matches_the_uninterrupted_one(cnn_runs, docs, tm
     assert max(abs(resumed_losses[step] - expected[step]) for step in expected) <= 1e-6
 
 
-PIPELINE = """
-import json, sys
-from pathlib import Path
-from transformers import pipeline
-model_dir, folder = sys.argv[1:3]
-files = sorted(Path(folder).glob("*/*.png"))
-classify = pipeline("image-classification", model=model_dir)
-labels = [result[0]["label"] for result in classify([str(f) for f in files], top_k=1)]
-print(json.dumps({"accuracy": sum(label == f.parent.name for label, f in zip(labels, files)) / len(files),
-                  "labels": {str(f.relative_to(folder)): label for f, label in zip(files, labels)}}))
-"""
+def classify_with_a_pipeline(model_dir: Path, folder: Path) -> dict:
+    """transformers' image-classification pipeline from the saved model over every image of `folder`: its accuracy
+    against the class folders, and each file's label."""
+    from transformers import pipeline
+
+    files = sorted(folder.glob("*/*.png"))
+    classify = pipeline("image-classification", model=str(model_dir))
+    labels = [result[0]["label"] for result in classify([str(f) for f in files], top_k=1)]
+    return {"accuracy": sum(label == f.parent.name for label, f in zip(labels, files, strict=True)) / len(files),
+            "labels": {str(f.relative_to(folder)): label for f, label in zip(files, labels, strict=True)}}  # fmt: skip
 
 
 @pytest.mark.slow
@@ -218,9 +216,7 @@ def test_vit_model_reloads_in_a_pipeline_with_the_runs_accuracy_and_predictions(
     assert_ok(printed)
     assert "'label': '" in printed.stdout and any(f"'{name}'" in printed.stdout for name in names)
 
-    result = run_snippet(PIPELINE, str(run / "model"), str(cwd / "data" / "digit_images" / "eval"))
-    assert_ok(result)
-    reloaded = json.loads(result.stdout.strip().splitlines()[-1])
+    reloaded = classify_with_a_pipeline(run / "model", cwd / "data" / "digit_images" / "eval")
     final = read_metrics(run)[-1]
     assert final["eval/num_samples"] == 359
     assert reloaded["accuracy"] == final["eval/accuracy"]

@@ -25,8 +25,8 @@ from tests.conftest import (
     free_port,
     read_metrics,
     run_command,
+    run_main,
     run_snippet,
-    run_train,
     run_with_hook,
     signal_at,
 )
@@ -120,7 +120,7 @@ def test_the_bucket_holds_the_run_rotated_like_the_disk(s3, uninterrupted, tmp_p
     disk does; model/, metrics.jsonl and the rest are the local files. The run trains as one without a mirror."""
     out, bucket, losses = uninterrupted
     assert list(losses) == list(range(1, 9))
-    assert_ok(run_with_hook(tmp_path, [*RUN, "--output_dir", str(tmp_path / "plain")]))
+    assert_ok(run_main(*RUN, "--output_dir", str(tmp_path / "plain")))
     assert train_losses(tmp_path / "plain")[0] == losses
     assert (
         sorted(s3.checkpoints(bucket))
@@ -260,7 +260,7 @@ BAD = {
 
 @pytest.mark.slow
 def test_an_output_dir_url_is_refused_with_the_mirror_option_named(tmp_path):
-    result = run_train(*QUICK, "--output_dir", "s3://bucket/run")
+    result = run_main(*QUICK, "--output_dir", "s3://bucket/run")
     assert_error_line(result, r"--output_dir s3://bucket/run is a URL; keep --output_dir a local folder")
     assert not (REPO / "s3:").exists()
 
@@ -318,7 +318,7 @@ def test_bad_mirror_is_one_line_before_anything_is_written(s3, tmp_path, case):
         pytest.skip("gcsfs is installed here")
     url, env, pattern = BAD[case]
     bucket, out = s3.bucket(), tmp_path / "run"
-    result = run_train(*QUICK, "--output_dir", str(out), "--output_mirror", url(bucket), env={**s3.env, **env()})
+    result = run_main(*QUICK, "--output_dir", str(out), "--output_mirror", url(bucket), env={**s3.env, **env()})
     assert_error_line(result, pattern)
     assert not out.exists() and s3.keys(bucket) == []
 

@@ -19,17 +19,16 @@ from tests.conftest import (
     launch_command,
     read_metrics,
     run_main,
-    run_snippet,
     run_train,
     run_with_hook,
     series,
     signal_at,
 )
 from tests.helpers import (
-    LM_EVAL,
     STRATEGIES,
     assert_bash_blocks_run,
     language_modeling,
+    lm_eval_loss,
     readme_command,
     strategy_params,
 )
@@ -202,9 +201,7 @@ def test_language_model_trains_as_one_process_does(gpt2_sharded, gpt2_one_proces
 
 def test_saved_language_model_loads_with_from_pretrained_to_the_eval_loss(gpt2_sharded, hf_assets):
     _, out = gpt2_sharded
-    result = run_snippet(LM_EVAL, str(out / "model"), hf_assets["eval"])
-    assert_ok(result)
-    assert float(result.stdout.strip().splitlines()[-1]) == pytest.approx(read_metrics(out)[-1]["eval/loss"], rel=1e-5)
+    assert lm_eval_loss(out / "model", hf_assets["eval"]) == pytest.approx(read_metrics(out)[-1]["eval/loss"], rel=1e-5)
 
 
 def test_every_command_of_the_page_is_run():

@@ -27,7 +27,7 @@ from tests.conftest import (
     series,
     signal_at,
 )
-from tests.helpers import assert_bash_blocks_run, has_feature
+from tests.helpers import assert_bash_blocks_run
 
 SHARDS = 8
 TINY = ["--task", "causal_lm", "--n_layer", "1", "--n_embd", "32", "--block_size", "32"]
@@ -180,15 +180,10 @@ def test_readme_streaming_commands_run_as_written(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def gpt2(tmp_path_factory) -> tuple[str, str]:
-    """A tiny GPT-2 with its tokenizer, and a jsonl text data set: offline (as tests/test_hf.py makes them)."""
-    if not has_feature("hf"):
-        pytest.skip("the hf feature is not in this project")
-    pytest.importorskip("transformers")
-    root = tmp_path_factory.mktemp("hf")
-    assert_ok(run_python("scripts/make_tiny_model.py", "--kind", "gpt2", "--out", str(root / "gpt2")))
-    assert_ok(run_python("scripts/make_text_data.py", "--out", str(root / "text")))
-    return str(root / "gpt2"), f"{{train: {root}/text/train.jsonl, eval: {root}/text/eval.jsonl}}"
+def gpt2(hf_assets) -> tuple[str, str]:
+    """The tiny GPT-2 with its tokenizer, and the jsonl text data set, offline: the test run's own (tests/conftest.py:
+    hf_assets, built once for every module that uses them; skipped where the hf feature was removed)."""
+    return hf_assets["gpt2"], hf_assets["data"]
 
 
 @pytest.mark.slow
