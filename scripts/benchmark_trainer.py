@@ -58,20 +58,13 @@ def made_here(args) -> None:
 def make_model(tokenizer_folder: Path, out: Path) -> None:
     """A BERT-tiny-shaped encoder (no head: both sides add the same fresh classifier) with the tiny tokenizer."""
     import torch
-    from transformers import BertConfig, BertModel, BertTokenizer
+    from transformers import BertTokenizer
+
+    from scripts.make_tiny_model import bert_model
 
     tokenizer = BertTokenizer.from_pretrained(tokenizer_folder)
-    config = BertConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=512,
-        max_position_embeddings=128,
-        pad_token_id=tokenizer.pad_token_id,
-    )
     torch.manual_seed(0)
-    BertModel(config).save_pretrained(out)
+    bert_model(tokenizer, hidden_size=128, intermediate_size=512).save_pretrained(out)
     tokenizer.save_pretrained(out)
 
 

@@ -89,13 +89,13 @@ def gpt2_tokenizer(texts: list[str]) -> GPT2Tokenizer:
     return GPT2Tokenizer(tokenizer_object=backend, pad_token=GPT2_SPECIAL, model_max_length=256)
 
 
-def bert_model(tokenizer: BertTokenizer) -> BertModel:
+def bert_model(tokenizer: BertTokenizer, hidden_size: int = 64, intermediate_size: int = 128) -> BertModel:
     config = BertConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
+        hidden_size=hidden_size,
         num_hidden_layers=2,
         num_attention_heads=2,
-        intermediate_size=128,
+        intermediate_size=intermediate_size,
         max_position_embeddings=128,
         pad_token_id=tokenizer.pad_token_id,
     )
