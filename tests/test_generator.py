@@ -67,8 +67,9 @@ def expected_files(kept: list[str]) -> set[str]:
 
 def traces(name: str) -> list[str]:
     """What would show a feature is there: its paths (and the names of its pages and scripts), its flags, its
-    --task names and its requirements' pins."""
-    found = set()
+    --task names, its requirements' pins and the `words` features.yaml gives for it (DeepSpeed, SLURM, ...: what
+    the prose calls it)."""
+    found = set(MANIFEST[name].get("words", []))
     for path in MANIFEST[name]["paths"]:
         found.add(path)
         if path.startswith(("docs/", "scripts/")) and path.endswith((".md", ".py")):
