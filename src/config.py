@@ -45,7 +45,7 @@ class TrainConfig:
     do_predict: bool = False  # write output_dir/predictions.jsonl for the test split (the eval split if none)
 
     # --- what to train (src/tasks/) ---
-    task: str = "digits"  # digits, tabular, causal_lm, {text,image}_classification, language_modeling or my_pkg.my_task
+    task: str = "digits"  # digits, tabular, a task of a feature (features.yaml) or my_pkg.my_task
     task_args: dict = field(default_factory=dict)  # in Python: the task's options (on the command line: --option value)
     model_name_or_path: str | None = None  # weights to start from or evaluate: a run's model/, a checkpoint, Hub model
     feature_args: dict = field(default_factory=dict)  # in Python: the features' options (src/features/), by name
@@ -53,7 +53,7 @@ class TrainConfig:
     # --- data (src/data.py) ---
     dataset_name: str | None = None  # a Hub dataset; None, imagefolder, parquet, ...: the local data_files below
     dataset_config_name: str | None = None  # the Hub dataset's configuration, if it has several
-    data_files: dict[str, str] | None = None  # split -> .parquet/.csv/.json(l) file or image folder; None: the task's
+    data_files: dict[str, str] | None = None  # split -> .parquet/.csv/.json(l) file or folder; None: the task's
     train_split: str = "train"  # split names in the data
     eval_split: str = "eval"
     test_split: str = "test"  # evaluated at the end (test/ metrics) and predicted, when the data has it
