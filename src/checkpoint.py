@@ -162,16 +162,21 @@ def load_checkpoint(accelerator, path: Path, expected: TrainerState) -> TrainerS
 
 
 UNSHARDED = ("single process", "DDP")  # checkpoints of a whole model: they load on any process count
+RESHARDED = ("FSDP2",)  # torch.distributed.checkpoint (DCP) reshards model and optimiser onto any process count
 
 
 def check_same_sharding(path: Path, saved: TrainerState, expected: TrainerState) -> None:
-    """A sharded checkpoint (FSDP2's DCP shards, DeepSpeed's ZeRO partitions) holds one file set per process of the
-    strategy that wrote it: it resumes under that strategy on that many processes."""
+    """A checkpoint resumes under a strategy that can read it: a whole model (one process, DDP) on any process count,
+    FSDP2's DCP shards under FSDP2 on any process count (DCP reshards them as it loads; the data position follows
+    from the step and the global batch, as for DDP), DeepSpeed's ZeRO partitions (one file set per process) under
+    that stage on as many processes as wrote them."""
     if saved.strategy is None or (saved.strategy in UNSHARDED and expected.strategy in UNSHARDED):
         return  # whole-model checkpoints (or one written before strategies were recorded)
-    if (saved.strategy, saved.world_size) != (expected.strategy, expected.world_size):
-        raise UsageError(
-            f"checkpoint {path} was saved by {saved.strategy} on {saved.world_size} processes and this run is "
-            f"{expected.strategy} on {expected.world_size}; resume it with the accelerate config it was trained "
-            f"with and --num_processes {saved.world_size}"
-        )
+    if saved.strategy == expected.strategy and (saved.strategy in RESHARDED or saved.world_size == expected.world_size):
+        return
+    where = "on any number of processes" if saved.strategy in RESHARDED else f"and --num_processes {saved.world_size}"
+    raise UsageError(
+        f"checkpoint {path} was saved by {saved.strategy} on {saved.world_size} processes and this run is "
+        f"{expected.strategy} on {expected.world_size}; resume it with the accelerate config it was trained with "
+        f"{where}"
+    )
