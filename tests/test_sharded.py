@@ -18,6 +18,7 @@ from tests.conftest import (
     assert_processes,
     launch_command,
     read_metrics,
+    run_command,
     run_main,
     run_train,
     run_with_hook,
@@ -131,15 +132,16 @@ def test_each_process_holds_about_half_of_what_is_sharded(sharded, one_process):
             assert params <= 0.6, (config, params)
 
 
-def test_a_sharded_checkpoint_resumes_only_on_its_own_process_count(sharded, tmp_path):
+def test_a_sharded_checkpoint_resumes_only_under_its_own_strategy(sharded, tmp_path):
     config, out, _ = sharded
     other = tmp_path / "run"
     shutil.copytree(out / "checkpoints", other / "checkpoints")
     result = run_main(*RUN, "--max_steps", "40", "--output_dir", str(other), "--resume_from_checkpoint", "latest")
     assert result.returncode == 2
+    where = "on any number of processes" if config == "fsdp" else "and --num_processes 2"  # DCP reshards
     assert result.stderr.strip().splitlines()[-1] == (
         f"error: checkpoint {other}/checkpoints/step_30 was saved by {STRATEGIES[config]} on 2 processes and this run "
-        f"is single process on 1; resume it with the accelerate config it was trained with and --num_processes 2"
+        f"is single process on 1; resume it with the accelerate config it was trained with {where}"
     )
     assert sorted(p.name for p in other.iterdir()) == ["checkpoints"]  # nothing written
 
@@ -206,3 +208,44 @@ def test_saved_language_model_loads_with_from_pretrained_to_the_eval_loss(gpt2_s
 
 def test_every_command_of_the_page_is_run():
     assert_bash_blocks_run("docs/sharded.md")
+
+
+# --- an FSDP2 checkpoint continues on another process count: DCP reshards model and optimiser ---
+
+# A global batch of 96 = 16 per device x 6 / 3 / 2 micro-batches on 1 / 2 / 3 processes.
+ELASTIC = ["--max_steps", "20", "--logging_steps", "1", "--save_steps", "10", "--eval_steps", "20",
+           "--learning_rate", "1e-3", "--mixed_precision", "no", "--per_device_train_batch_size", "16",
+           "--global_batch_size", "96"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def elastic_start(tmp_path_factory):
+    """(step_10 of FSDP2 on 2 processes, one plain process's 20 steps)."""
+    root = tmp_path_factory.mktemp("elastic")
+    assert_ok(run_train(*ELASTIC, "--max_steps", "10", "--output_dir", str(root / "two"), processes=2, config="fsdp"))
+    assert read_metrics(root / "two")[0]["setup/strategy"] == "FSDP2"
+    assert_ok(run_main(*ELASTIC, "--output_dir", str(root / "one")))
+    return root / "two" / "checkpoints" / "step_10", read_metrics(root / "one")
+
+
+@pytest.mark.parametrize("processes", [1, 3])
+def test_an_fsdp2_checkpoint_continues_on_another_process_count(elastic_start, tmp_path, processes):
+    """Saved by FSDP2 on 2 processes, continued by FSDP2 on 1 and on 3 (accumulation 6 and 2): steps 11-20 and the
+    eval equal one uninterrupted process's, and each start says its own world size."""
+    checkpoint, one_process = elastic_start
+    out = tmp_path / "run"
+    shutil.copytree(checkpoint, out / "checkpoints" / checkpoint.name)
+    command = launch_command(2, "fsdp")
+    command[command.index("--num_processes") + 1] = str(processes)  # the launcher's, even for 1: FSDP2 on 1 process
+    result = run_command([*command, *ELASTIC, "--output_dir", str(out), "--resume_from_checkpoint", "latest"])
+    assert_ok(result)
+    assert "resuming from" in result.stdout + result.stderr
+    rows = read_metrics(out)
+    assert [(row["setup/strategy"], row["setup/world_size"]) for row in rows if "setup/strategy" in row] == [
+        ("FSDP2", processes)
+    ]
+    losses, expected = series(rows, "train/loss"), series(one_process, "train/loss")
+    assert list(losses) == list(range(11, 21))
+    torch.testing.assert_close(torch.tensor(list(losses.values())), torch.tensor([expected[s] for s in losses]),
+                               rtol=0, atol=1e-5)  # fmt: skip
+    assert series(rows, "eval/loss")[20] == pytest.approx(series(one_process, "eval/loss")[20], abs=1e-5)
