@@ -104,7 +104,7 @@ def set_up(config: TrainConfig, training: bool) -> Setup:
     predict_split = loaders.predicted_split(config)  # --do_predict: the test split, else the eval split
     predict_loader = loaders.build_predict_loader(task, config, predict_split)  # the task's prediction inputs, or None
     model = task.load_model(config.model_name_or_path) if config.model_name_or_path else task.build_model()
-    model = features.installed().adapt_model(distributed.sync_batchnorm(model, accelerator), accelerator)
+    model = distributed.sync_batchnorm(features.installed().adapt_model(model, accelerator), accelerator)
     if config.gradient_checkpointing:
         distributed.enable_gradient_checkpointing(model)
     metric = load_metrics(task.metrics if config.metrics is None else config.metrics)

@@ -4,7 +4,8 @@
   size that differs from the group's is refused.
 - The global batch does not change with the process count: accumulation is derived from `global_batch_size`; the
   seedable sampler makes the data order independent of it.
-- BatchNorm statistics are per process unless synchronised: nn.SyncBatchNorm on CUDA, CPUSyncBatchNorm on CPU.
+- BatchNorm statistics are per process unless synchronised: nn.SyncBatchNorm on CUDA; on CPU processes, the
+  sync_batchnorm feature's.
 """
 
 import logging
@@ -18,7 +19,6 @@ from src.config import TrainConfig, resolve_global_batch
 from src.errors import UsageError, let_threads_settle, one_line, say
 from src.preemption import watch_launcher
 from src.strategy import accelerator_options, check_launch, enable_fsdp_on_cpu, process_group_options
-from src.sync_batchnorm import convert_cpu_sync_batchnorm
 
 logger = logging.getLogger(__name__)
 
@@ -111,23 +111,23 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
 
 
 def sync_batchnorm(model: nn.Module, accelerator) -> nn.Module:
-    """BatchNorm statistics over the whole global micro-batch on N processes: nn.SyncBatchNorm on CUDA,
-    CPUSyncBatchNorm on CPU processes (src/sync_batchnorm.py: torch's is CUDA-only)."""
-    has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-    if has_batchnorm and accelerator.gradient_accumulation_steps > 1:
+    """BatchNorm statistics over the whole global micro-batch on N processes: nn.SyncBatchNorm on CUDA. torch has
+    none for CPU processes: there the sync_batchnorm feature's layers (from `Feature.adapt_model`, called first)."""
+    batchnorms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if batchnorms and accelerator.gradient_accumulation_steps > 1:
         warn_batchnorm_under_accumulation(accelerator.gradient_accumulation_steps, accelerator.num_processes)
-    if not has_batchnorm or accelerator.num_processes == 1:
+    if not batchnorms or accelerator.num_processes == 1:
         return model
     if accelerator.device.type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if accelerator.device.type == "cpu":
-        return convert_cpu_sync_batchnorm(model)
-    logger.warning(
-        "BatchNorm statistics are per process: no synchronised BatchNorm on %s, so this %d-process run normalises "
-        "each process's batch separately (use --norm group for identical results).",
-        accelerator.device.type,
-        accelerator.num_processes,
-    )
+    if not all(getattr(m, "synchronised", False) for m in batchnorms):
+        logger.warning(
+            "BatchNorm statistics are per process: no synchronised BatchNorm on %s, so this %d-process run normalises "
+            "each process's batch separately (the sync_batchnorm feature synchronises it on CPU processes; or use "
+            "--norm group for identical results).",
+            accelerator.device.type,
+            accelerator.num_processes,
+        )
     return model
 
 

@@ -1,4 +1,5 @@
-"""Optimiser, learning-rate schedule and early stopping, all counted in optimiser steps, whatever the process count."""
+"""Optimiser and learning-rate schedule, counted in optimiser steps, whatever the process count (early stopping:
+src/best.py)."""
 
 import logging
 import math

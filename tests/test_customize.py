@@ -1,4 +1,5 @@
-"""docs/customize.md, performed: the tabular task on a table, and a metric, a task and the EMA example from its code.
+"""docs/customize.md, performed: a metric, a task and the EMA example from its code (the tabular task's part:
+tests/test_tabular.py).
 
 The code blocks are taken from the guide verbatim, each found by its first line (`# <its path>`), so the guide can't
 rot: what a reader copies is what these tests run.
@@ -10,8 +11,6 @@ import json
 import re
 import sys
 
-import numpy as np
-import pandas as pd
 import pytest
 import torch
 import yaml
@@ -44,56 +43,26 @@ def code_block(first_line: str, language: str = "python") -> str:
     return found[0]
 
 
-def digits_as_csv(tmp_path) -> dict[str, str]:
-    """The digits as a plain table: 64 numeric columns p0..p63 and a `digit` label column."""
-    files = {}
-    for split in ("train", "eval"):
-        frame = pd.read_parquet(REPO / f"data/digits/{split}.parquet")
-        table = pd.DataFrame(np.stack(frame["pixels"].to_numpy()), columns=[f"p{i}" for i in range(64)])
-        table["digit"] = frame["label"]
-        files[split] = str(tmp_path / f"{split}.csv")
-        table.to_csv(files[split], index=False)
-    return files
-
-
-def test_guide_answers_where_things_are_and_shows_the_tabular_command():
-    assert "python train.py --task tabular --data_files" in GUIDE and "--hidden_size 64" in GUIDE
+def test_guide_answers_where_things_are():
     assert "--task_args" not in GUIDE  # gone: a task's options are flags
     for path in ("src/tasks/<name>.py", "src/models/", "src/evaluate_metrics/<name>/<name>.py", "`Options`"):
         assert path in GUIDE, path
-    for path in ("src/models/digits_cnn.py", "src/models/mlp.py", "src/tasks/base.py"):
+    for path in ("src/models/digits_cnn.py", "src/tasks/base.py"):
         assert (REPO / path).is_file(), path
 
 
 @pytest.mark.slow
-def test_tabular_csv_with_an_mlp_and_a_metric_from_the_guide(tmp_path):
-    files = digits_as_csv(tmp_path)
+def test_the_guides_metric_on_the_digits(tmp_path):
+    """The guide's f1_macro module, as written, is a metric of a run beside accuracy."""
     metric_dir = tmp_path / "f1_macro"
     metric_dir.mkdir()
     (metric_dir / "f1_macro.py").write_text(code_block("# src/evaluate_metrics/f1_macro/f1_macro.py"))
     out = tmp_path / "run"
-    result = run_main(
-        "--task", "tabular", "--data_files", f"{{train: {files['train']}, eval: {files['eval']}}}",
-        "--label_column", "digit", "--hidden_size", "64", "--max_steps", "120",
-        "--metrics", f"[accuracy, {metric_dir}]", "--output_dir", str(out),
-    )  # fmt: skip
+    result = run_main("--max_steps", "120", "--metrics", f"[accuracy, {metric_dir}]", "--output_dir", str(out))
     assert_ok(result)
     final = read_metrics(out)[-1]
     assert final["eval/accuracy"] > 0.9 and final["eval/num_samples"] == 359
     assert 0.85 < final["eval/f1_macro"] <= 1.0
-
-
-@pytest.mark.slow
-def test_tabular_with_named_features_and_a_bad_task_arg(tmp_path):
-    files = digits_as_csv(tmp_path)
-    data = ["--data_files", f"{{train: {files['train']}, eval: {files['eval']}}}", "--label_column", "digit"]
-    out = tmp_path / "run"
-    named = run_main("--task", "tabular", *data, "--features", "[p20, p28, p36, p44]",
-                     "--max_steps", "10", "--output_dir", str(out))  # fmt: skip
-    assert_ok(named)
-    assert read_metrics(out)[0]["setup/parameters"] == 4 * 64 + 64 + 64 * 64 + 64 + 64 * 10 + 10
-    bad = run_main("--task", "tabular", *data, "--hidden", "8", "--output_dir", str(tmp_path / "bad"))
-    assert bad.returncode == 2 and "did you mean --hidden_size?" in bad.stderr.splitlines()[-1]
 
 
 def test_a_task_written_from_the_guide_trains_the_same_on_1_and_2_processes(tmp_path, monkeypatch, capsys):

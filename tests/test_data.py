@@ -73,35 +73,6 @@ def test_data_loaders_batch_the_files(tmp_path):
     assert len(train_loader) == 5
 
 
-def test_csv_with_other_column_names(tmp_path):
-    """A table through --task tabular: named feature columns (in another order than the file's), another label
-    column, a text column that is not a feature. The CSV gives the same tensors as the same table in Parquet, and
-    the model standardises them with the train split's statistics (its buffers: saved with it)."""
-    table = pd.DataFrame({
-        "length": [1.0, 2.5, 4.0, 5.5, 7.0, 8.5],
-        "note": ["a", "b", "c", "d", "e", "f"],
-        "width": [0.5, 0.25, 1.0, 2.0, 4.0, 8.0],
-        "species": [0, 1, 2, 0, 1, 2],
-    })  # fmt: skip
-    options = {"label_column": "species", "features": ["width", "length"]}
-    loaded = {}
-    for fmt in ("csv", "parquet"):
-        files = {split: tmp_path / f"{split}.{fmt}" for split in ("train", "eval")}
-        for path in files.values():
-            table.to_csv(path, index=False) if fmt == "csv" else table.to_parquet(path)
-        loaded[fmt] = [dataset.tensors for dataset in datasets_for(files, "tabular", options)]
-    (train_x, train_y), (eval_x, eval_y) = loaded["csv"]
-    raw = torch.tensor(table[["width", "length"]].to_numpy().copy(), dtype=torch.float32)
-    torch.testing.assert_close(eval_x, raw, rtol=0, atol=0)
-    task = build_task(resolve(config_for(files, options, task="tabular")))
-    task.build_datasets()
-    standardize = task.build_model()[0]
-    torch.testing.assert_close(standardize(raw), (raw - raw.mean(dim=0)) / raw.std(dim=0), rtol=0, atol=1e-6)
-    assert eval_y.tolist() == train_y.tolist() == [0, 1, 2, 0, 1, 2]
-    for (csv_x, csv_y), (parquet_x, parquet_y) in zip(loaded["csv"], loaded["parquet"], strict=True):
-        assert torch.equal(csv_x, parquet_x) and torch.equal(csv_y, parquet_y)
-
-
 def test_parquet_columns_are_the_tensors_datasets_gives(tmp_path):
     """Tensor tasks read Parquet with pyarrow (no `datasets` import): every column type they take comes out as
     datasets' torch format has it, dtype included, over several row groups; missing floats as NaN."""

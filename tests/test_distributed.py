@@ -76,35 +76,6 @@ def test_two_processes_log_each_line_once(one_and_two_processes, tmp_path):
 
 
 @pytest.mark.slow
-def test_batchnorm_on_2_processes_trains_like_1_process_with_the_whole_batch(tmp_path):
-    """--norm batch, per-device batch 32 on 2 CPU processes (BatchNorm synchronised, src/sync_batchnorm.py) vs one
-    process with the batch of 64, no accumulation on either: the same statistics, so the same per-step loss, eval
-    (running statistics) and saved running statistics."""
-    from safetensors.torch import load_file
-
-    runs = {}
-    for processes, per_device in ((1, "64"), (2, "32")):
-        runs[processes] = tmp_path / f"p{processes}"
-        result = run_on(processes, *SAME_RUN, "--norm", "batch", "--per_device_train_batch_size", per_device,
-                        "--output_dir", str(runs[processes]))  # fmt: skip
-        assert_ok(result)
-        assert "FutureWarning" not in result.stderr  # no deprecated all-reduce (src/sync_batchnorm.py)
-        assert_processes(runs[processes], processes)
-        assert read_metrics(runs[processes])[0]["setup/gradient_accumulation"] == 1
-    one, two = (read_metrics(runs[n]) for n in (1, 2))
-    for key in ("train/loss", "eval/loss"):
-        assert list(series(two, key)) == list(series(one, key))
-        torch.testing.assert_close(torch.tensor(list(series(two, key).values())),
-                                   torch.tensor(list(series(one, key).values())), rtol=0, atol=1e-5)  # fmt: skip
-    assert series(two, "eval/accuracy") == series(one, "eval/accuracy")
-    saved = [load_file(runs[n] / "model" / "model.safetensors") for n in (1, 2)]
-    statistics = [key for key in saved[0] if key.endswith(("running_mean", "running_var"))]
-    assert statistics and set(saved[1]) == set(saved[0])
-    for key in statistics:
-        torch.testing.assert_close(saved[1][key], saved[0][key], rtol=0, atol=1e-5)
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("processes", [1, 2, 3])
 def test_eval_counts_every_sample_once(out, processes):
     """359 eval images (a prime): uneven shards on any process count, still each sample counted once."""
@@ -196,15 +167,15 @@ def test_cpu_steps_do_not_page_fault_their_activations_back_in():
     assert faults["template"] < 5 < 50 < min(faults["glibc"], faults["template, user's tunables"]), faults
 
 
-def test_batchnorm_conversion_per_device():
-    """Which synchronised BatchNorm a multi-process run gets: torch's on CUDA, ours on CPU processes, none alone;
-    the state dict stays BatchNorm's, so saved models load into the plain network."""
+def test_batchnorm_conversion_per_device(caplog):
+    """Which synchronised BatchNorm a multi-process run gets from the core: torch's on CUDA, none alone; on CPU
+    processes none (the sync_batchnorm feature's, tests/test_sync_batchnorm.py), said in one warning. The state dict
+    stays BatchNorm's, so saved models load into the plain network."""
     from types import SimpleNamespace
 
     from torch import nn
 
     from src.distributed import sync_batchnorm
-    from src.sync_batchnorm import CPUSyncBatchNorm
 
     def converted(device: str, processes: int) -> nn.Module:
         model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Sequential(nn.BatchNorm1d(4)))
@@ -214,13 +185,18 @@ def test_batchnorm_conversion_per_device():
         )
         return sync_batchnorm(model, accelerator)
 
-    plain = converted("cpu", 1)
-    assert [type(m) for m in (plain[1], plain[2][0])] == [nn.BatchNorm2d, nn.BatchNorm1d]
-    for device, kind in (("cuda", nn.SyncBatchNorm), ("cpu", CPUSyncBatchNorm)):
-        model = converted(device, 2)
-        assert type(model[1]) is type(model[2][0]) is kind
+    with caplog.at_level("WARNING", logger="src.distributed"):
+        plain = converted("cpu", 1)
+        assert [type(m) for m in (plain[1], plain[2][0])] == [nn.BatchNorm2d, nn.BatchNorm1d]
+        assert caplog.records == []
+        model = converted("cuda", 2)
+        assert type(model[1]) is type(model[2][0]) is nn.SyncBatchNorm
         assert model.state_dict().keys() == plain.state_dict().keys()
         assert torch.equal(model[1].running_mean, plain[1].running_mean)
+        per_process = converted("cpu", 2)
+        assert [type(m) for m in (per_process[1], per_process[2][0])] == [nn.BatchNorm2d, nn.BatchNorm1d]
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "BatchNorm statistics are per process" in warning and "sync_batchnorm feature" in warning
 
 
 @pytest.mark.parametrize("norm, accumulation, warned", [("batch", 2, True), ("batch", 1, False), ("group", 2, False)])

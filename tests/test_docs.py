@@ -11,9 +11,7 @@ import re
 import shutil
 import sys
 
-import pandas as pd
 import pytest
-import torch
 
 from scripts.readme_commands import section_commands
 from tests.conftest import QUICK, REPO, assert_ok, assert_processes, read_metrics, run_command
@@ -117,26 +115,6 @@ def test_resume_command_starts_then_resumes(tmp_path):
     assert_ok(second)
     steps = [row["step"] for row in read_metrics(cwd / "runs" / "exp1") if "train/loss" in row]
     assert steps == [2, 4, 6, 8]  # each step once: the second start went on from step 6
-
-
-@pytest.mark.slow
-def test_guide_tabular_command(tmp_path):
-    """docs/customize.md's `tabular` command on a table with the columns it names (integer species labels)."""
-    (command,) = section_commands("Your data, by config", page="docs/customize.md")
-    cwd = workspace(tmp_path)
-    (cwd / "my").mkdir()
-    generator = torch.Generator().manual_seed(0)
-    for split, rows in (("train", 120), ("eval", 31)):
-        species = torch.randint(0, 3, (rows,), generator=generator)
-        table = {
-            "sepal_length": (species + torch.rand(rows, generator=generator)).tolist(),
-            "sepal_width": torch.rand(rows, generator=generator).tolist(),
-            "species": species.tolist(),
-        }
-        pd.DataFrame(table).to_csv(cwd / "my" / f"{split}.csv", index=False)
-    assert_ok(run_command([*as_written(command), *QUICK, "--per_device_train_batch_size", "8",
-                           "--global_batch_size", "8", "--output_dir", "run"], cwd=cwd))  # fmt: skip
-    assert read_metrics(cwd / "run")[-1]["eval/num_samples"] == 31
 
 
 @pytest.mark.slow

@@ -195,7 +195,10 @@ def test_the_default_project_is_the_lean_core_renamed(lean):
                "tests/test_layout.py", "tests/test_tracking.py", "tests/test_train.py")  # fmt: skip
 
 
-MIXED = {"images_slurm": ["hf", "images", "slurm"], "hf_deepspeed_storage": ["hf", "deepspeed", "object_storage"]}
+MIXED = {
+    "images_slurm": ["text_data", "hf", "images", "slurm"],
+    "hf_deepspeed_storage": ["text_data", "hf", "deepspeed", "object_storage"],
+}
 
 
 @pytest.mark.slow
@@ -242,7 +245,7 @@ def test_update_merges_a_new_version_into_a_users_edits(template, tmp_path):
     run = {"TEMPLATE": str(template)}
     sh(" && ".join(start), cwd=tmp_path, **run)
     project = tmp_path / "my-project"
-    assert {"hf", "images"} == set(yaml.safe_load((project / "features.yaml").read_text()))
+    assert {"text_data", "hf", "images"} == set(yaml.safe_load((project / "features.yaml").read_text()))
     train_py = project / "train.py"
     lines = train_py.read_text().splitlines(keepends=True)
     train_py.write_text("".join([*lines, "# my own note at the end\n"]))  # the user's edits
@@ -263,12 +266,12 @@ def test_update_merges_a_new_version_into_a_users_edits(template, tmp_path):
     sh(" && ".join(add), cwd=project)
     assert (project / "scripts/slurm").is_dir() and (project / "docs/slurm.md").is_file()
     assert "[docs/slurm.md](docs/slurm.md)" in (project / "README.md").read_text()
-    assert traces_left(project, ["hf", "images", "slurm"]) == []
+    assert traces_left(project, ["text_data", "hf", "images", "slurm"]) == []
     fast_tests(project, "tests/test_train.py", "tests/test_tasks.py", "tests/test_slurm.py", "tests/test_docs.py")
 
     # Removing one: answered out, its files and lines go (the task removes what copier's render leaves).
-    sh("copier update --trust --defaults --data 'features=[hf, images]' && git add -A && git commit -qm drop",
-       cwd=project)  # fmt: skip
+    drop = "copier update --trust --defaults --data 'features=[text_data, hf, images]'"
+    sh(f"{drop} && git add -A && git commit -qm drop", cwd=project)
     assert not (project / "scripts/slurm").exists() and "slurm" not in (project / "README.md").read_text()
 
     # A conflict: the same line changed by both.

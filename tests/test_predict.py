@@ -260,14 +260,9 @@ def test_best_model_needs_eval_and_parses_transformers_names():
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("stdlib_text")  # configs/lm.yaml's data/stdlib
-def test_tabular_and_causal_lm_models_evaluate_alone_as_at_the_end_of_training(tmp_path):
-    """The tabular model carries its standardisation; the GPT's tied embedding reloads."""
-    table = tmp_path / "table.csv"
-    frame = pd.DataFrame({"a": [i % 7 * 1.5 for i in range(96)], "b": [i % 5 * 3.0 for i in range(96)]})
-    frame["label"] = ((frame["a"] + frame["b"]) > 9).astype(int)
-    frame.to_csv(table, index=False)
+def test_causal_lm_model_evaluates_alone_as_at_the_end_of_training(tmp_path):
+    """The GPT's tied embedding reloads (the tabular model's standardisation: tests/test_tabular.py)."""
     runs = {
-        "tabular": ["--task", "tabular", "--data_files", f"{{train: {table}, eval: {table}}}", "--num_labels", "2"],
         "causal_lm": [
             "--task",
             "causal_lm",

@@ -17,7 +17,6 @@ from src.run_dir import trained_any_step
 from src.tasks import BUILT_IN, build_task, task_class, task_name
 from src.tasks.base import Task, task_errors
 from src.tasks.digits import Digits
-from src.tasks.tabular import Tabular
 from tests.conftest import (
     QUICK,
     REPO,
@@ -61,17 +60,41 @@ class Second(Task):
 """
 
 
-def test_task_names_resolve_to_classes(task_module):
-    assert task_class("digits") is Digits and task_class("src.tasks.tabular") is Tabular
-    assert task_class("src.tasks.tabular.Tabular") is Tabular
+TOY_TASK = """
+from dataclasses import dataclass
+
+from src.errors import UsageError
+from src.tasks.base import Task
+
+class Toy(Task):
+    @dataclass
+    class Options:
+        hidden_size: int = 64
+        num_layers: int = 2  # hidden layers
+
+        def __post_init__(self):
+            if self.hidden_size <= 0:
+                raise UsageError(f"--hidden_size must be > 0 (got {self.hidden_size})")
+"""
+
+
+@pytest.fixture
+def toy(task_module) -> str:
+    """A second task beside the digits, with options of its own: `--task toy`."""
+    return task_module("toy", TOY_TASK)
+
+
+def test_task_names_resolve_to_classes(task_module, toy):
+    assert task_class("digits") is Digits and task_class(toy).__name__ == "Toy"
+    assert task_class(f"{toy}.Toy") is task_class(toy)
     module = task_module("two_tasks", TWO_TASKS)
     assert task_class(f"{module}.Second").__name__ == "Second"
     with pytest.raises(UsageError, match="exactly one Task subclass .*two_tasks.First, two_tasks.Second"):
         task_class(module)
-    with pytest.raises(UsageError, match="unknown --task 'nope'; use one of digits, tabular"):
+    with pytest.raises(UsageError, match="unknown --task 'nope'; use one of digits"):
         task_class("nope")
-    with pytest.raises(UsageError, match="unknown --task 'tabluar'; did you mean tabular\\? use"):
-        task_class("tabluar")
+    with pytest.raises(UsageError, match="unknown --task 'digts'; did you mean digits\\? use"):
+        task_class("digts")
     with pytest.raises(UsageError, match="has no Task subclass 'Third'"):
         task_class(f"{module}.Third")
     assert [task_name(n) for n in ("digits", "my_pkg.my_task", "my_pkg.my_task.MyTask")] == [
@@ -81,21 +104,21 @@ def test_task_names_resolve_to_classes(task_module):
     ]
 
 
-def test_task_options_are_flags_yaml_keys_and_saved_flat(tmp_path):
+def test_task_options_are_flags_yaml_keys_and_saved_flat(tmp_path, toy):
     path = tmp_path / "c.yaml"
-    path.write_text("task: tabular\nnum_layers: 3\n")
+    path.write_text(f"task: {toy}\nnum_layers: 3\n")
     config = parse_config(["--config", str(path), "--hidden_size", "16", "--data_files", "{train: a.csv, eval: b.csv}"])
     assert config.task_args["num_layers"] == 3 and config.task_args["hidden_size"] == 16
-    assert config.output_dir == "runs/tabular"  # the default follows the task
+    assert config.output_dir == "runs/toy"  # the default follows the task
     save_config(config, tmp_path / "config.yaml")
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert saved["num_layers"] == 3 and "task_args" not in saved
-    assert not digits_only("tabular") & set(saved), "a tabular config holds digits-only settings"
+    assert not digits_only(toy) & set(saved), "another task's config holds digits-only settings"
     assert parse_config(["--config", str(tmp_path / "config.yaml")]) == config  # the saved file runs the same
 
 
-@pytest.mark.parametrize("task", ["tabular", pytest.param("causal_lm", marks=needs("gpt"))])
-def test_other_tasks_configs_hold_no_digits_settings(tmp_path, task):
+@pytest.mark.parametrize("task", ["toy", pytest.param("causal_lm", marks=needs("gpt"))])
+def test_other_tasks_configs_hold_no_digits_settings(tmp_path, toy, task):
     config = resolve(TrainConfig(task=task, data_files={"train": "x.csv", "eval": "y.csv"}))
     save_config(config, tmp_path / "config.yaml")
     saved = set(yaml.safe_load((tmp_path / "config.yaml").read_text()))
@@ -105,30 +128,30 @@ def test_other_tasks_configs_hold_no_digits_settings(tmp_path, task):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--task", "tabular", "--norm", "batch"], "--norm is an option of --task digits, not of --task tabular"),
+        (["--task", "toy", "--norm", "batch"], "--norm is an option of --task digits, not of --task toy"),
         (["--nrom", "batch"], "did you mean --norm?"),
-        (["--task", "tabular", "--num_layer", "2"], "did you mean --num_layers?"),
+        (["--task", "toy", "--num_layer", "2"], "did you mean --num_layers?"),
         (["--norm", "layer"], "norm"),
-        (["--task", "tabular", "--data_files", "{train: a.csv}", "--hidden_size", "0"], "--hidden_size must be > 0"),
+        (["--task", "toy", "--data_files", "{train: a.csv}", "--hidden_size", "0"], "--hidden_size must be > 0"),
     ],
 )
-def test_bad_task_options_are_one_line_usage_errors(argv, message):
+def test_bad_task_options_are_one_line_usage_errors(toy, argv, message):
     with pytest.raises(UsageError, match=message) as info:
         parse_config(argv)
     assert "\n" not in str(info.value)
 
 
-def test_python_callers_get_the_same_checks():
+def test_python_callers_get_the_same_checks(toy):
     with pytest.raises(UsageError, match="did you mean num_layers"):
-        resolve(TrainConfig(task="tabular", task_args={"num_layer": 2}))
+        resolve(TrainConfig(task=toy, task_args={"num_layer": 2}))
     assert build_task(resolve(TrainConfig(task_args={"norm": "none"}))).options.norm == "none"
 
 
-def test_help_lists_the_tasks_options(capsys):
+def test_help_lists_the_tasks_options(capsys, toy):
     with pytest.raises(SystemExit):
-        parse_config(["--task", "tabular", "--help"])
+        parse_config(["--task", toy, "--help"])
     shown = capsys.readouterr().out
-    assert "options of --task tabular" in shown and "--num_layers" in shown and "hidden layers" in shown
+    assert f"options of --task {toy}" in shown and "--num_layers" in shown and "hidden layers" in shown
     assert "--learning_rate" in shown and "--norm" not in shown
 
 

@@ -1,7 +1,7 @@
 """Tasks: what is trained, selected by `--task`. The contract is the `Task` class in src/tasks/base.py.
 
---task digits | tabular                       the core's tasks (this folder)
---task causal_lm, text_classification, ...    the tasks that features add (src/features/*: `Feature.tasks`)
+--task digits                                 the core's task (this folder)
+--task tabular, causal_lm, ...                the tasks that features add (src/features/*: `Feature.tasks`)
 --task my_package.my_task                     a module defining one Task subclass
 --task my_package.my_task.MyTask              or the class itself
 """
@@ -17,7 +17,7 @@ from src.errors import UsageError, one_line
 from src.features import feature_tasks
 from src.tasks.base import Task, task_errors  # noqa: F401  (task_errors: part of the contract train.py uses)
 
-BUILT_IN = {"digits": "src.tasks.digits.Digits", "tabular": "src.tasks.tabular.Tabular", **feature_tasks()}
+BUILT_IN = {"digits": "src.tasks.digits.Digits", **feature_tasks()}
 
 
 def task_class(name: str) -> type[Task]:

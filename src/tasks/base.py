@@ -18,7 +18,7 @@
 
 A task is built once per run, so it can keep state (a tokenizer, the number of features) on `self`.
 `ClassificationTask` (src/tasks/classification.py) fills in the loss and eval outputs for `(inputs, labels)`
-batches and logits; `Digits` and `Tabular` use it. `HuggingFaceTask` (src/features/hf/base.py) loads and saves a
+batches and logits; `Digits` uses it. `HuggingFaceTask` (src/features/hf/base.py) loads and saves a
 transformers model and its tokenizer for `TextClassification` and `LanguageModeling`.
 """
 

@@ -1,4 +1,4 @@
-"""Classification: batches of `(inputs, labels)` and a model that maps inputs to logits (digits and tabular)."""
+"""Classification: batches of `(inputs, labels)` and a model that maps inputs to logits (digits, tabular, images)."""
 
 import torch
 import torch.nn.functional as F

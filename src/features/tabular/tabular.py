@@ -3,8 +3,8 @@
     python train.py --task tabular --data_files '{train: my/train.csv, eval: my/eval.csv}' --label_column species \
         --features '[sepal_length, sepal_width]' --hidden_size 64
 
-Without `features`, every column except the label is a feature. The model (src/models/mlp.py) standardises them with
-the train split's mean and standard deviation, held as buffers: a saved model takes raw features.
+Without `features`, every column except the label is a feature. The model (an MLP) standardises them with the train
+split's mean and standard deviation, held as buffers: a saved model takes raw features.
 """
 
 from dataclasses import dataclass
@@ -15,7 +15,6 @@ from torch.utils.data import TensorDataset
 
 from src.data import check_columns, column_tensor, load_tables
 from src.errors import UsageError
-from src.models.mlp import mlp
 from src.tasks.classification import ClassificationTask, check_labels
 
 
@@ -81,3 +80,13 @@ class Standardize(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (x - self.mean) / self.std
+
+
+def mlp(num_inputs: int, num_outputs: int, hidden_size: int = 64, num_layers: int = 2) -> nn.Sequential:
+    """`num_layers` hidden layers of `hidden_size` units with ReLU, then a linear output layer."""
+    layers: list[nn.Module] = []
+    width = num_inputs
+    for _ in range(num_layers):
+        layers += [nn.Linear(width, hidden_size), nn.ReLU()]
+        width = hidden_size
+    return nn.Sequential(*layers, nn.Linear(width, num_outputs))

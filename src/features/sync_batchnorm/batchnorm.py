@@ -30,6 +30,8 @@ all_reduce = autograd_all_reduce()
 class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
     """BatchNorm1d/2d/3d whose training statistics are over every process's batch (see the module docstring)."""
 
+    synchronised = True  # src/distributed.py's sync_batchnorm: no per-process warning
+
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
