@@ -6,6 +6,7 @@ import statistics
 
 import pytest
 
+from scripts import benchmark
 from scripts.benchmark import RATIOS, SIDES, warmup_cosine
 from src.config import TrainConfig
 from src.optim import lr_factor
@@ -20,15 +21,41 @@ def test_the_hand_written_schedule_is_the_templates():
         ]
 
 
+def test_rounds_interleave_the_sides_and_are_summarized_by_their_median(tmp_path, monkeypatch, capsys):
+    """3 rounds (no training: each side's run is a made-up result): every side runs once a round, in the round's
+    order, and the report holds each side's median, min and max over the rounds and the median of the rounds'
+    ratios (not their mean, nor the ratio of the medians)."""
+    speeds = {"raw": [100, 300, 200], "raw_index": [110, 90, 400], "accelerate": [50, 70, 60], "template": [90, 10, 95]}
+    order = []
+
+    def fake_run(args, side, condition):
+        order.append((condition, side))
+        i = sum(1 for _, s in order if s == side) - 1
+        return {"samples_per_s": speeds[side][i], "seconds_to_first_step": 1.0 + i, "wall_s": 2.0 + speeds[side][i],
+                "peak_memory_gb": 0.1 * (i + 1), "imports": [side], "src_modules": [], "steps": 40}  # fmt: skip
+
+    monkeypatch.setattr(benchmark, "run_side", fake_run)
+    report = benchmark.main(["--rounds", "3", "--conditions", "tuned", "--output", str(tmp_path / "b.json")])
+    assert order == [("tuned", side) for _ in range(3) for side in SIDES]
+    measured = report["conditions"]["tuned"]
+    assert measured["template"]["samples_per_s"] == {"median": 90, "min": 10, "max": 95}
+    assert measured["raw_index"]["peak_memory_gb"] == pytest.approx(0.3)
+    assert measured["round_ratios"]["template/raw"] == [90 / 100, 10 / 300, 95 / 200]
+    assert measured["ratios"]["template/raw"] == 95 / 200  # the middle round's, not the mean's 0.47
+    assert json.loads((tmp_path / "b.json").read_text())["conditions"]["tuned"]["ratios"] == measured["ratios"]
+    assert f"tuned: template/raw {95 / 200:.3f}" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_benchmark_writes_its_report(tmp_path):
-    """One condition of the two (each is the same code with other settings), 2 rounds of the 4 sides."""
+    """One condition of the two (each is the same code with other settings), 1 round of the 4 sides (several rounds
+    and their medians: the test above)."""
     output = tmp_path / "b.json"
-    result = run_python("scripts/benchmark.py", "--model", "linear", "--rounds", "2", "--steps", "40",
+    result = run_python("scripts/benchmark.py", "--model", "linear", "--rounds", "1", "--steps", "40",
                         "--conditions", "tuned", "--output", str(output))  # fmt: skip
     assert_ok(result)
     report = json.loads(output.read_text())
-    assert report["settings"] == {"model": "linear", "rounds": 2, "steps": 40, "batch": 64, "processes": 1,
+    assert report["settings"] == {"model": "linear", "rounds": 1, "steps": 40, "batch": 64, "processes": 1,
                                   "device": "cpu", "conditions": ["tuned"],
                                   "max_grad_norm": 1.0}  # fmt: skip
     defaults = TrainConfig()
@@ -38,7 +65,7 @@ def test_benchmark_writes_its_report(tmp_path):
     for condition, measured in report["conditions"].items():
         runs = {side: measured[side]["runs"] for side in SIDES}
         for side_runs in runs.values():
-            assert len(side_runs) == 2
+            assert len(side_runs) == 1
             for run in side_runs:
                 assert run["steps"] == 40  # every side trained (and timed) every one of the --steps optimiser steps
                 assert run["samples_per_s"] > 0 and run["peak_memory_gb"] > 0

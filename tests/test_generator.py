@@ -119,7 +119,7 @@ def fast_tests(project: Path, *test_files: str, timeout: float = 900) -> None:
     """The fast tier of `test_files` in the project (those it still has), with this interpreter."""
     present = [name for name in test_files if (project / name).is_file()]
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider", "-n", "2", *present],
+        [sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider", "-n", "0", *present],
         cwd=project, env=env(), capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
     )  # fmt: skip
     assert_ok(result)

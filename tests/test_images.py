@@ -21,6 +21,7 @@ from tests.conftest import (
     assert_processes,
     read_metrics,
     run_command,
+    run_main,
     run_with_hook,
     series,
     signal_at,
@@ -128,19 +129,21 @@ def one_process(command: str) -> list[str]:
 @pytest.fixture(scope="module")
 def cnn_runs(docs, tmp_path_factory) -> dict:
     """The CNN command (shortened, flips added) on 2 processes with 2 loader workers each, on 1 process without
-    workers, and on 1 process without augmentation."""
+    workers, and on 1 process without augmentation (the two 1-process runs in this process, reading the same folders
+    by their absolute paths)."""
     cwd, command = docs["cwd"], docs["commands"][2]
     flags = [*SHORT, "--horizontal_flip", "true"]
-    launches = {
-        2: [*as_written(command), *flags, "--dataloader_num_workers", "2"],
-        1: [*one_process(command), *flags],
-        "plain": [*one_process(command), *flags, "--random_crop_padding", "0", "--horizontal_flip", "false"],
-    }
-    runs = {}
-    for name, launch in launches.items():
-        runs[name] = tmp_path_factory.mktemp(f"cnn{name}") / "run"
-        assert_ok(run_command([*launch, "--output_dir", str(runs[name])], cwd=cwd))
-        assert_processes(runs[name], 2 if name == 2 else 1)
+    images = cwd / "data" / "digit_images"
+    folders = ["--data_files", f"{{train: {images / 'train'}, eval: {images / 'eval'}}}"]
+    runs = {name: tmp_path_factory.mktemp(f"cnn{name}") / "run" for name in (2, 1, "plain")}
+    launch = [*as_written(command), *flags, "--dataloader_num_workers", "2", "--output_dir", str(runs[2])]
+    assert_ok(run_command(launch, cwd=cwd))
+    one = [*one_process(command)[2:], *flags, *folders]
+    assert_ok(run_main(*one, "--output_dir", str(runs[1])))
+    plain = ["--random_crop_padding", "0", "--horizontal_flip", "false", "--output_dir", str(runs["plain"])]
+    assert_ok(run_main(*one, *plain))
+    for name, run in runs.items():
+        assert_processes(run, 2 if name == 2 else 1)
     return runs
 
 
@@ -234,9 +237,7 @@ def test_a_folder_without_class_subfolders_is_one_line_and_exit_2(docs, tmp_path
             shutil.copy(png, flat / split / f"{i}.png")
     out = tmp_path / "run"
     folders = f"{{train: {flat / 'train'}, eval: {flat / 'eval'}}}"
-    result = run_command(
-        [*one_process(docs["commands"][2]), "--data_files", folders, "--output_dir", str(out)], cwd=docs["cwd"]
-    )
+    result = run_main(*one_process(docs["commands"][2])[2:], "--data_files", folders, "--output_dir", str(out))
     assert_error_line(result, rf"the train folder {flat / 'train'} has no class subfolders .*<class>/\*\.png")
     assert not out.exists()
 

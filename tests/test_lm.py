@@ -1,7 +1,6 @@
 """The causal_lm recipe: a byte-level GPT trained from scratch on the Python stdlib's source, through train.py."""
 
 import math
-import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -23,8 +22,6 @@ from tests.conftest import (
     run_main,
     run_on,
     run_python,
-    run_train,
-    run_with_hook,
     series,
 )
 from tests.helpers import as_written, assert_bash_blocks_run, workspace
@@ -41,14 +38,10 @@ pytestmark = pytest.mark.usefixtures("stdlib_text")  # data/stdlib, built where 
 
 @pytest.mark.slow
 def test_lm_yaml_loss_falls_by_30_percent_in_100_steps(out):
-    """configs/lm.yaml, its schedule shortened to 100 steps: ~25 s on 2 CPU cores with 2 threads (~45 s with
-    conftest's 1 thread per process). docs/lm.md's figures are of the full 200."""
-    # one process: use the cores a small CI machine has, but only those no other pytest-xdist worker is using (two
-    # threads on a core another worker keeps busy wait on each other: several times slower, not faster)
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    threads = str(max(1, min(2, (os.cpu_count() or 1) // workers)))
-    args = [*LM, "--max_steps", "100", "--eval_steps", "50", "--output_dir", str(out)]
-    assert_ok(run_train(*args, env={"OMP_NUM_THREADS": threads}, timeout=900))
+    """configs/lm.yaml, its schedule shortened to 100 steps and its two evals to 16 KiB of text: in this process, one
+    thread. docs/lm.md's figures are of the full 200."""
+    args = [*LM, "--max_steps", "100", "--eval_steps", "50", "--max_eval_tokens", "16384", "--output_dir", str(out)]
+    assert_ok(run_main(*args))
     rows = read_metrics(out)
     losses = series(rows, "train/loss")
     assert list(losses)[0] == 10 and list(losses)[-1] == 100
@@ -106,34 +99,31 @@ def test_perplexity_is_exp_of_eval_loss(one_and_two_processes):
         assert 1 < final["eval/perplexity"] < 256
 
 
-COUNT_CHECKPOINTED_BLOCKS = """
-import atexit
-import src.features.gpt.model as gpt
-checkpointed = [0]
-checkpoint = gpt.checkpoint
-def counting(*args, **kwargs):
-    checkpointed[0] += 1
-    return checkpoint(*args, **kwargs)
-gpt.checkpoint = counting
-atexit.register(lambda: print("CHECKPOINTED BLOCKS", checkpointed[0], flush=True))
-"""
-
 SMALL_LM = ["--n_layer", "2", "--n_embd", "64", "--block_size", "64", "--max_train_tokens", "20000",
             "--max_eval_tokens", "5000", "--max_steps", "5", "--logging_steps", "1"]  # fmt: skip
 
 
 @pytest.mark.slow
-def test_gradient_checkpointing_recomputes_and_trains_the_same(tmp_path):
+def test_gradient_checkpointing_recomputes_and_trains_the_same(tmp_path, monkeypatch):
     """--gradient_checkpointing true: every block's forward goes through torch.utils.checkpoint (2 blocks x 2
-    micro-batches x 5 steps) and the per-step losses are the plain run's."""
+    micro-batches x 5 steps) and the per-step losses are the plain run's. Both runs in this process, the model's
+    checkpoint function counted."""
+    import src.features.gpt.model as gpt
+
+    calls = []
+    checkpoint = gpt.checkpoint
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return checkpoint(*args, **kwargs)
+
+    monkeypatch.setattr(gpt, "checkpoint", counting)
     losses = {}
     for flag in ("false", "true"):
         out = tmp_path / f"checkpointing_{flag}"
-        result = run_with_hook(tmp_path, [*LM, *SMALL_LM, "--gradient_checkpointing", flag, "--output_dir", str(out)],
-                               extra=COUNT_CHECKPOINTED_BLOCKS)  # fmt: skip
-        assert_ok(result)
-        expected_calls = 2 * 2 * 5 if flag == "true" else 0
-        assert f"CHECKPOINTED BLOCKS {expected_calls}\n" in result.stdout
+        calls.clear()
+        assert_ok(run_main(*LM, *SMALL_LM, "--gradient_checkpointing", flag, "--output_dir", str(out)))
+        assert len(calls) == (2 * 2 * 5 if flag == "true" else 0)
         losses[flag] = series(read_metrics(out), "train/loss")
     assert list(losses["true"]) == list(losses["false"]) == [1, 2, 3, 4, 5]
     assert losses["true"] == pytest.approx(losses["false"], abs=1e-5)

@@ -97,7 +97,7 @@ def uninterrupted(s3, tmp_path_factory):
     """One run to the end with a mirror: (its local run directory, its bucket, its per-step train losses)."""
     out = tmp_path_factory.mktemp("full") / "run"
     bucket = s3.bucket()
-    assert_ok(run_with_hook(out.parent, mirrored(out, bucket), env=s3.env))
+    assert_ok(run_main(*mirrored(out, bucket), env=s3.env))
     return out, bucket, train_losses(out)[0]
 
 
@@ -142,7 +142,7 @@ def test_killed_run_resumes_from_the_bucket_on_an_empty_disk(s3, uninterrupted, 
     assert sorted(s3.checkpoints(bucket)) == ["step_2", "step_4"]
     shutil.rmtree(out)
 
-    resumed = run_with_hook(tmp_path, args, env=s3.env)
+    resumed = run_main(*args, env=s3.env)
     assert_ok(resumed)
     log = resumed.stdout + resumed.stderr
     assert "downloading checkpoint step_4" in log and "at step 4" in log
@@ -207,7 +207,7 @@ def test_upload_killed_half_way_leaves_latest_at_the_previous_checkpoint(s3, uni
     ]
     shutil.rmtree(out)
 
-    resumed = run_with_hook(tmp_path, args, env=s3.env)
+    resumed = run_main(*args, env=s3.env)
     assert_ok(resumed)
     log = resumed.stdout + resumed.stderr
     assert "downloading checkpoint step_2" in log and "at step 2" in log
@@ -215,25 +215,29 @@ def test_upload_killed_half_way_leaves_latest_at_the_previous_checkpoint(s3, uni
     assert_bucket_holds_the_run(s3, bucket, out)  # step_6 and step_8 only: no half of step_4 left
 
 
-PUT_THREADS = """
-import threading, s3fs
-put = s3fs.S3FileSystem.put
-def put_noting_the_thread(self, *args, **kwargs):
-    with open({path!r}, "a") as log:
-        log.write(threading.current_thread().name + "\\n")
-    return put(self, *args, **kwargs)
-s3fs.S3FileSystem.put = put_noting_the_thread
-"""
-
-
 @pytest.mark.slow
-def test_uploads_on_a_thread_leave_the_bucket_as_uploads_in_place(s3, uninterrupted, tmp_path):
+def test_uploads_on_a_thread_leave_the_bucket_as_uploads_in_place(s3, uninterrupted, tmp_path, monkeypatch):
     """--output_mirror_async true: each checkpoint uploaded on its own thread, the end's files on the main one; the
-    same losses, and the same bucket byte for byte, as the run that uploads in place."""
-    out, bucket, threads = tmp_path / "run", s3.bucket(), tmp_path / "threads.txt"
-    args = mirrored(out, bucket, "--output_mirror_async", "true")
-    assert_ok(run_with_hook(tmp_path, args, extra=PUT_THREADS.format(path=str(threads)), env=s3.env))
-    assert set(threads.read_text().split("\n")) - {""} == {"MainThread", *(f"upload step_{n}" for n in (2, 4, 6, 8))}
+    same losses, and the same bucket byte for byte, as the run that uploads in place. In this process, s3fs's put
+    noting the thread it runs on."""
+    import threading
+
+    import s3fs
+
+    out, bucket, threads = tmp_path / "run", s3.bucket(), []
+    put = s3fs.S3FileSystem.put
+
+    def put_noting_the_thread(self, *args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return put(self, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "put", put_noting_the_thread)
+    s3fs.S3FileSystem.clear_instance_cache()  # (a cached instance holds the put it was made with; so would this run's)
+    try:
+        assert_ok(run_main(*mirrored(out, bucket, "--output_mirror_async", "true"), env=s3.env))
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+    assert set(threads) == {"MainThread", *(f"upload step_{n}" for n in (2, 4, 6, 8))}
     assert train_losses(out)[0] == uninterrupted[2]
     assert sorted(s3.checkpoints(bucket)) == ["step_6", "step_8"]
     assert_bucket_holds_the_run(s3, bucket, out)
@@ -376,13 +380,12 @@ def test_the_start_check_gives_up_after_its_own_two_retries(monkeypatch):
 def test_a_bucket_holding_another_run_is_refused_unless_continued_or_replaced(s3, tmp_path):
     bucket, out = s3.bucket(), tmp_path / "run"
     s3.client.put_object(Bucket=bucket, Key="run/checkpoints/step_2/trainer_state.json", Body=b"{}")
-    refused = run_with_hook(tmp_path, [*QUICK, "--output_dir", str(out), "--output_mirror", f"s3://{bucket}/run"],
-                            env=s3.env)  # fmt: skip
+    refused = run_main(*QUICK, "--output_dir", str(out), "--output_mirror", f"s3://{bucket}/run", env=s3.env)
     assert_error_line(refused, r"already holds a run .*--resume_from_checkpoint latest.*--overwrite_output_dir")
     assert not out.exists() and s3.keys(bucket) == ["run/checkpoints/step_2/trainer_state.json"]
 
-    replaced = run_with_hook(tmp_path, [*QUICK, "--output_dir", str(out), "--output_mirror", f"s3://{bucket}/run",
-                                        "--overwrite_output_dir", "true"], env=s3.env)  # fmt: skip
+    replaced = run_main(*QUICK, "--output_dir", str(out), "--output_mirror", f"s3://{bucket}/run",
+                        "--overwrite_output_dir", "true", env=s3.env)  # fmt: skip
     assert_ok(replaced)
     assert sorted(s3.checkpoints(bucket)) == ["step_6"]  # the other run's step_2 removed: never this run's latest
 

@@ -4,6 +4,7 @@ run resumes from the template's latest checkpoint."""
 
 import json
 import shlex
+import subprocess
 import sys
 
 import pytest
@@ -147,11 +148,17 @@ def test_accelerate_config_becomes_what_accelerate_launch_would_set():
     ],
     ids=["dead-address", "missing-accelerate-config", "bad-train-flag"],
 )
-def test_bad_input_is_one_line_before_ray_starts(tmp_path, flags, pattern):
+def test_bad_input_is_one_line_before_ray_starts(tmp_path, capsys, flags, pattern):
+    """scripts/ray_train.py's main in this process (its command line's exit status and stderr): the error comes
+    before ray.init, so no cluster starts and nothing is written."""
+    from scripts import ray_train
+
     out = tmp_path / "run"
     flags = [flag.format(port=free_port()) for flag in flags]
-    result = run_command([sys.executable, "scripts/ray_train.py", *flags, "--output_dir", str(out)])
-    assert_error_line(result, pattern)
+    with pytest.raises(SystemExit) as stop:
+        ray_train.main([*flags, "--output_dir", str(out)])
+    captured = capsys.readouterr()
+    assert_error_line(subprocess.CompletedProcess([], stop.value.code, captured.out, captured.err), pattern)
     assert not out.exists()
 
 

@@ -192,7 +192,7 @@ def test_sigterm_to_the_sweep_stops_its_trial(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("command", section_commands("Hyperparameter sweeps", page="docs/sweeps.md"))
 def test_readme_sweep_command_runs_as_written(command, tmp_path):
-    """The page's sweep: 4 trials on 2 processes each, those below the median at step 30 pruned and stopped."""
+    """The page's sweep: 3 trials on 2 processes each, those below the median at step 30 pruned and stopped."""
     words = shlex.split(command)
     assert words[:2] == ["python", "scripts/sweep.py"]
     out = tmp_path / "sweep"
@@ -202,7 +202,7 @@ def test_readme_sweep_command_runs_as_written(command, tmp_path):
     finished = [t for t in study.trials if t.state.name in ("COMPLETE", "PRUNED")]
     assert len(finished) == int(words[words.index("--n_trials") + 1]) == len(study.trials)
     pruned = [t for t in study.trials if t.state.name == "PRUNED"]
-    assert pruned, "the median pruner stops the trials below the median at step 30 (docs/sweeps.md: two of four)"
+    assert pruned, "the median pruner stops the trials below the median at step 30 (docs/sweeps.md: the third of three)"
     full = max(len(eval_lines(out / f"trial_{t.number}")) for t in study.trials)
     for trial in study.trials:
         trial_dir = out / f"trial_{trial.number}"
