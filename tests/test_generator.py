@@ -160,6 +160,18 @@ def test_copier_questions_follow_the_manifest():
             )
 
 
+@pytest.mark.slow
+def test_a_feature_chosen_without_what_it_requires_is_refused_and_nothing_is_written(template, tmp_path):
+    """copier's validator names the missing choice; copier stops (its own traceback, exit 1) before writing."""
+    destination = tmp_path / "my-project"
+    result = subprocess.run(["copier", "copy", "-q", "--trust", "--defaults", "--data", "features=[gpt]",
+                             str(template), str(destination)], cwd=tmp_path, env=env(), capture_output=True,
+                            text=True, timeout=300, stdin=subprocess.DEVNULL)  # fmt: skip
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1].endswith("gpt requires text_data: choose text_data too.")
+    assert not destination.exists()
+
+
 def test_the_changelog_names_the_version_of_pyproject():
     """CHANGELOG.md's newest entry is the version pyproject.toml states (the one to tag vX.Y.Z)."""
     newest = re.search(r"^## (\d+\.\d+\.\d+)", (REPO / "CHANGELOG.md").read_text(), flags=re.M).group(1)
