@@ -110,6 +110,11 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
     model.gradient_checkpointing_enable()
 
 
+class SynchronisedBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """A BatchNorm whose statistics are over every process's batch where torch's nn.SyncBatchNorm is not (a
+    feature's, through `Feature.adapt_model`): `sync_batchnorm` then has nothing to warn about."""
+
+
 def sync_batchnorm(model: nn.Module, accelerator) -> nn.Module:
     """BatchNorm statistics over the whole global micro-batch on N processes: nn.SyncBatchNorm on CUDA. torch has
     none for CPU processes: there the sync_batchnorm feature's layers (from `Feature.adapt_model`, called first)."""
@@ -120,7 +125,7 @@ def sync_batchnorm(model: nn.Module, accelerator) -> nn.Module:
         return model
     if accelerator.device.type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if not all(getattr(m, "synchronised", False) for m in batchnorms):
+    if not all(isinstance(m, SynchronisedBatchNorm) for m in batchnorms):
         logger.warning(
             "BatchNorm statistics are per process: no synchronised BatchNorm on %s, so this %d-process run normalises "
             "each process's batch separately (the sync_batchnorm feature synchronises it on CPU processes; or use "

@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from src.distributed import SynchronisedBatchNorm
+
 
 def autograd_all_reduce():
     """A sum over the processes whose backward sums the gradients: torch's functional collective where torch has
@@ -27,10 +29,8 @@ def autograd_all_reduce():
 all_reduce = autograd_all_reduce()
 
 
-class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
+class CPUSyncBatchNorm(SynchronisedBatchNorm):
     """BatchNorm1d/2d/3d whose training statistics are over every process's batch (see the module docstring)."""
-
-    synchronised = True  # src/distributed.py's sync_batchnorm: no per-process warning
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
