@@ -4,8 +4,9 @@ shipped accelerate configs, each proven against one process. Per strategy, on 2 
 process's across a SIGKILL and resume, the best model is loaded at the end and model/ reloads to its eval metric
 under the same strategy, each process holds about half
 of the parameters (FSDP2, ZeRO-3) and of the optimiser state, and a sharded checkpoint is refused on another
-process count. Then the tiny GPT-2 with padded batches and accumulation: FSDP2 wraps each block, and every strategy
-trains as one process does and saves a model that from_pretrained loads to the run's eval loss."""
+process count. Then the tiny GPT-2 with padded batches and accumulation: FSDP2 wraps each block, and FSDP2 and
+ZeRO-3 train as one process does and save a model that from_pretrained loads to the run's eval loss (ZeRO-2 runs the
+same code there; tests/test_adapters.py trains this model under ZeRO-2 too)."""
 
 import json
 import shutil
@@ -177,7 +178,14 @@ def gpt2_one_process(hf_assets, tmp_path_factory):
     return read_metrics(out)
 
 
-@pytest.fixture(scope="module", params=strategy_params())
+# FSDP2 and ZeRO-3, not ZeRO-2: on the template's side a ZeRO-2 run of this model takes ZeRO-3's path line for line
+# (src/ branches on the stage only for eval-only, prepare_needs_optimizer, which the digits runs above check under
+# each strategy). ZeRO-2 keeps its 1-vs-2 proofs: the digits run above, and the tiny GPT-2 with padded batches and
+# accumulation 2 in tests/test_adapters.py (its LoRA run under ZeRO-2 trains as DDP and 1 process do).
+GPT2_STRATEGIES = [param for param in strategy_params() if param.values[0] != "deepspeed_zero2"]
+
+
+@pytest.fixture(scope="module", params=GPT2_STRATEGIES)
 def gpt2_sharded(request, hf_assets, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"gpt2_{request.param}") / "run"
     assert_ok(run_train(*gpt2_run(hf_assets, 4), "--output_dir", str(out), processes=2, config=request.param))
