@@ -35,6 +35,8 @@ from tests.helpers import (
     language_modeling,
     lm_eval_loss,
     losses,
+    padded_lm,
+    padded_lm_one_process,
 )
 
 pytest.importorskip("transformers")
@@ -141,15 +143,13 @@ def test_eval_only_with_a_runs_own_config_evaluates_the_trained_model(classified
 
 
 @pytest.fixture(scope="module")
-def modeled(assets, tmp_path_factory) -> dict:
+def modeled(request, assets, tmp_path_factory) -> dict:
     """Padded texts: 1 process with one batch of 16 vs 2 processes with 4 x 2 each. Per-micro-batch means would
-    differ (each micro-batch has its own token count); the tokens of the global batch normalise both the same."""
-    args = language_modeling(assets, "--max_steps", "8", "--global_batch_size", "16")
-    return train_on_1_and_2_processes(
-        tmp_path_factory,
-        "lm",
-        {1: [*args, "--per_device_train_batch_size", "16"], 2: [*args, "--per_device_train_batch_size", "4"]},
-    )
+    differ (each micro-batch has its own token count); the tokens of the global batch normalise both the same. The
+    1-process run is the one tests/test_sharded.py compares FSDP2 and ZeRO with (trained once for both)."""
+    one = padded_lm_one_process(request, assets)
+    assert_processes(one, 1)
+    return {1: one, **train_on_1_and_2_processes(tmp_path_factory, "lm", {2: padded_lm(assets, 4)})}
 
 
 @pytest.mark.slow

@@ -28,8 +28,9 @@ from tests.conftest import (
 from tests.helpers import (
     STRATEGIES,
     assert_bash_blocks_run,
-    language_modeling,
     lm_eval_loss,
+    padded_lm,
+    padded_lm_one_process,
     readme_command,
     strategy_params,
 )
@@ -166,16 +167,9 @@ def test_the_readme_launch_command_of_each_strategy_is_the_one_run_here():
 # --- a Hugging Face model: the tiny GPT-2, padded batches, 2 micro-batches accumulated per process ---
 
 
-def gpt2_run(hf_assets, per_device: int) -> list[str]:
-    return language_modeling(hf_assets, "--max_steps", "8", "--global_batch_size", "16",
-                             "--per_device_train_batch_size", str(per_device), "--mixed_precision", "no")  # fmt: skip
-
-
 @pytest.fixture(scope="module")
-def gpt2_one_process(hf_assets, tmp_path_factory):
-    out = tmp_path_factory.mktemp("gpt2_one") / "run"
-    assert_ok(run_main(*gpt2_run(hf_assets, 16), "--output_dir", str(out)))
-    return read_metrics(out)
+def gpt2_one_process(request, hf_assets):
+    return read_metrics(padded_lm_one_process(request, hf_assets))  # shared with tests/test_hf.py
 
 
 # FSDP2 and ZeRO-3, not ZeRO-2: on the template's side a ZeRO-2 run of this model takes ZeRO-3's path line for line
@@ -188,7 +182,7 @@ GPT2_STRATEGIES = [param for param in strategy_params() if param.values[0] != "d
 @pytest.fixture(scope="module", params=GPT2_STRATEGIES)
 def gpt2_sharded(request, hf_assets, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"gpt2_{request.param}") / "run"
-    assert_ok(run_train(*gpt2_run(hf_assets, 4), "--output_dir", str(out), processes=2, config=request.param))
+    assert_ok(run_train(*padded_lm(hf_assets, 4), "--output_dir", str(out), processes=2, config=request.param))
     assert_processes(out, 2)
     return request.param, out
 
