@@ -242,3 +242,24 @@ def resolve_launch(argv: list[str], monkeypatch) -> dict:
     monkeypatch.setattr(launch, "deepspeed_launcher", recorder("deepspeed", deepspeed_env))
     launch.launch_command(launch_command_parser().parse_args(argv))
     return launched
+
+
+# --- the tiny GPT-2's 1-process reference, trained once per test run (tests/test_hf.py, test_sharded.py) ---
+
+
+def padded_lm(assets, per_device: int) -> list[str]:
+    """The tiny GPT-2, 8 steps of 16 padded texts (per_device x accumulation x processes), float32 (the sharded
+    configs say bf16): the same training on any process count and strategy."""
+    return language_modeling(assets, "--max_steps", "8", "--global_batch_size", "16",
+                             "--per_device_train_batch_size", str(per_device), "--mixed_precision", "no")  # fmt: skip
+
+
+def padded_lm_one_process(request, assets) -> Path:
+    """padded_lm on 1 process, one batch of 16 a step: the run that 2 processes under DDP (tests/test_hf.py), FSDP2
+    and ZeRO (tests/test_sharded.py) are compared with, trained once for all of them (built_once)."""
+    from tests.conftest import assert_ok, built_once, run_main
+
+    with built_once(request, "padded_lm_one_process") as (folder, missing):
+        if missing:
+            assert_ok(run_main(*padded_lm(assets, 16), "--output_dir", str(folder / "run")))
+    return folder / "run"

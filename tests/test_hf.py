@@ -35,6 +35,8 @@ from tests.helpers import (
     language_modeling,
     lm_eval_loss,
     losses,
+    padded_lm,
+    padded_lm_one_process,
 )
 
 pytest.importorskip("transformers")
@@ -141,15 +143,13 @@ def test_eval_only_with_a_runs_own_config_evaluates_the_trained_model(classified
 
 
 @pytest.fixture(scope="module")
-def modeled(assets, tmp_path_factory) -> dict:
+def modeled(request, assets, tmp_path_factory) -> dict:
     """Padded texts: 1 process with one batch of 16 vs 2 processes with 4 x 2 each. Per-micro-batch means would
-    differ (each micro-batch has its own token count); the tokens of the global batch normalise both the same."""
-    args = language_modeling(assets, "--max_steps", "8", "--global_batch_size", "16")
-    return train_on_1_and_2_processes(
-        tmp_path_factory,
-        "lm",
-        {1: [*args, "--per_device_train_batch_size", "16"], 2: [*args, "--per_device_train_batch_size", "4"]},
-    )
+    differ (each micro-batch has its own token count); the tokens of the global batch normalise both the same. The
+    1-process run is the one tests/test_sharded.py compares FSDP2 and ZeRO with (trained once for both)."""
+    one = padded_lm_one_process(request, assets)
+    assert_processes(one, 1)
+    return {1: one, **train_on_1_and_2_processes(tmp_path_factory, "lm", {2: padded_lm(assets, 4)})}
 
 
 @pytest.mark.slow
@@ -168,38 +168,29 @@ LanguageModeling.loss_reduction, LanguageModeling.loss = "mean", mean_loss
 
 
 @pytest.mark.slow
-def test_per_micro_batch_means_would_train_differently(assets, modeled, tmp_path):
-    """The control for the test above: the same two runs with each micro-batch's own token mean drift apart."""
-    runs = {}
-    for processes, per_device in ((1, "16"), (2, "4")):
-        runs[processes] = tmp_path / f"p{processes}"
-        args = language_modeling(assets, "--max_steps", "8", "--global_batch_size", "16",
+def test_per_micro_batch_means_would_train_differently(assets, modeled, tmp_path, monkeypatch):
+    """The control for the test above: the same two runs with each micro-batch's own token mean drift apart. The 2
+    processes get the patch through the wrapper script; the 1 process runs here, patched by the same code and put
+    back after the test."""
+    from src.features.hf.language_modeling import LanguageModeling
+
+    runs = {processes: tmp_path / f"p{processes}" for processes in (1, 2)}
+
+    def args(processes: int, per_device: str) -> list[str]:
+        return language_modeling(assets, "--max_steps", "8", "--global_batch_size", "16",
                                  "--per_device_train_batch_size", per_device,
                                  "--output_dir", str(runs[processes]))  # fmt: skip
-        assert_ok(run_with_hook(tmp_path, args, extra=PER_MICRO_BATCH_MEAN, processes=processes))
+
+    assert_ok(run_with_hook(tmp_path, args(2, "4"), extra=PER_MICRO_BATCH_MEAN, processes=2))
+    for name in ("loss_reduction", "loss"):  # monkeypatch puts these back after the test
+        monkeypatch.setattr(LanguageModeling, name, getattr(LanguageModeling, name))
+    exec(PER_MICRO_BATCH_MEAN, {})
+    assert_ok(run_main(*args(1, "16")))
+    for processes in (1, 2):
         assert_processes(runs[processes], processes)
     one, two = losses(runs[1]), losses(runs[2])
     assert (two - one).abs().max() > 1e-3, (one, two)
     torch.testing.assert_close(one, losses(modeled[1]), rtol=0, atol=1e-5)  # one batch of 16: mean is the mean
-
-
-@pytest.mark.slow
-def test_language_model_generates_the_same_text_on_1_and_2_processes(modeled, tmp_path):
-    """--do_predict with a language model: greedy continuations of 7 prompts (a prime: uneven shards), one row each,
-    in order, the same on 1 and 2 processes; a prompt longer than the context keeps its end."""
-    prompts = tmp_path / "prompts.jsonl"
-    texts = ["def", "import os", "# a comment", "return x", "class A:", "x = 1", "for i in " * 40]
-    prompts.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
-    rows = {}
-    for processes in (1, 2):
-        out = tmp_path / f"p{processes}"
-        assert_ok(run_on(processes, "--task", "language_modeling", "--do_train", "false", "--do_eval", "false",
-                         "--do_predict", "true", "--model_name_or_path", str(modeled[1]), "--block_size", "64",
-                         "--max_new_tokens", "8", "--data_files", f"{{test: {prompts}}}", "--output_dir", str(out),
-                         "--per_device_eval_batch_size", "2"))  # fmt: skip
-        rows[processes] = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
-    assert len(rows[1]) == len(texts) and rows[1] == rows[2]
-    assert all(isinstance(row["generated"], str) for row in rows[1]) and any(row["generated"] for row in rows[1])
 
 
 @pytest.mark.slow
@@ -293,7 +284,8 @@ class NotInstalled(importlib.abc.MetaPathFinder):  # as if transformers were not
 sys.meta_path.insert(0, NotInstalled())
 from src.errors import command_line
 from train import main
-command_line(main)({args!r})
+for args in {runs!r}:  # each as its own command would run; the last one's exit status is the process's
+    command_line(main)(args)
 """
 
 
@@ -301,19 +293,12 @@ command_line(main)({args!r})
 def test_transformers_is_optional(tmp_path):
     """Without transformers the digits example trains, and an HF task says how to install it in one line.
     (With transformers installed, `import evaluate` imports it: that is evaluate's doing, not a requirement.)"""
-    digits = run_python("-c", WITHOUT_TRANSFORMERS.format(args=[*QUICK, "--output_dir", str(tmp_path / "run")]))
-    assert_ok(digits)
+    digits = [*QUICK, "--output_dir", str(tmp_path / "run")]
+    hf_task = ["--task", "text_classification", "--model_name_or_path", "x",
+               "--data_files", "{train: a.json, eval: b.json}"]  # fmt: skip
+    hf = run_python("-c", WITHOUT_TRANSFORMERS.format(runs=[digits, hf_task]))  # one process: the digits run first
     assert read_metrics(tmp_path / "run")[-1]["eval/num_samples"] == 359
-    args = [
-        "--task",
-        "text_classification",
-        "--model_name_or_path",
-        "x",
-        "--data_files",
-        "{train: a.json, eval: b.json}",
-    ]
-    hf = run_python("-c", WITHOUT_TRANSFORMERS.format(args=args))
-    assert hf.returncode == 2
+    assert hf.returncode == 2, hf.stderr[-3000:]
     assert hf.stderr.strip().splitlines()[-1] == (
         "error: the Hugging Face tasks need transformers: pip install -r requirements/hf.txt"
     )
@@ -401,7 +386,9 @@ def test_language_model_labels_ignore_padding_not_the_end_of_text_token():
 @pytest.mark.parametrize("packing, processes", [("true", (2, 1, 3)), ("false", (1, 2))])
 def test_predictions_after_training_are_predict_only_s_with_the_input_ids(assets, tmp_path, packing, processes):
     """--do_predict in a training run generates from the test split's prompts, one row per input row with its id,
-    exactly as --do_train false does from the saved model, on any process count; packed or not."""
+    exactly as --do_train false does from the saved model, on any process count; packed or not. 7 prompts (a prime:
+    uneven shards), greedy continuations of one model the same on 1, 2 and 3 processes; a prompt longer than the
+    context (its end is kept) generates too."""
     prompts = tmp_path / "prompts.jsonl"
     texts = ["def", "import os", "# a comment", "return x", "class A:", "x = 1", "for i in " * 40]
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "text": text}) + "\n" for i, text in enumerate(texts)))
@@ -415,6 +402,7 @@ def test_predictions_after_training_are_predict_only_s_with_the_input_ids(assets
     assert_ok(run_on(trained, *args, "--do_predict", "true", "--output_dir", str(out)))
     rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
     assert [row["id"] for row in rows] == [f"p{i}" for i in range(len(texts))]
+    assert all(isinstance(row["generated"], str) for row in rows) and any(row["generated"] for row in rows)
     for count in predicting:
         alone = tmp_path / f"predict{count}"
         assert_ok(run_on(count, "--task", "language_modeling", "--do_train", "false", "--do_eval", "false",
