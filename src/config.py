@@ -45,7 +45,7 @@ class TrainConfig:
     do_predict: bool = False  # write output_dir/predictions.jsonl for the test split (the eval split if none)
 
     # --- what to train (src/tasks/) ---
-    task: str = "digits"  # digits, tabular, a task of a feature (features.yaml) or my_pkg.my_task
+    task: str = "digits"  # digits, a task of a feature (features.yaml) or my_pkg.my_task
     task_args: dict = field(default_factory=dict)  # in Python: the task's options (on the command line: --option value)
     model_name_or_path: str | None = None  # weights to start from or evaluate: a run's model/, a checkpoint, Hub model
     feature_args: dict = field(default_factory=dict)  # in Python: the features' options (src/features/), by name

@@ -1,7 +1,7 @@
 """Tasks: what is trained, selected by `--task`. The contract is the `Task` class in src/tasks/base.py.
 
 --task digits                                 the core's task (this folder)
---task tabular, causal_lm, ...                the tasks that features add (src/features/*: `Feature.tasks`)
+--task NAME                                   a feature's task (src/features/*: `Feature.tasks`; features.yaml)
 --task my_package.my_task                     a module defining one Task subclass
 --task my_package.my_task.MyTask              or the class itself
 """

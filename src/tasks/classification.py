@@ -1,4 +1,5 @@
-"""Classification: batches of `(inputs, labels)` and a model that maps inputs to logits (digits, tabular, images)."""
+"""Classification: batches of `(inputs, labels)` and a model that maps inputs to logits (the digits, and the
+features' tasks built on it)."""
 
 import torch
 import torch.nn.functional as F
