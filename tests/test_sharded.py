@@ -214,10 +214,11 @@ def test_every_command_of_the_page_is_run():
 
 # --- an FSDP2 checkpoint continues on another process count: DCP reshards model and optimiser ---
 
-# A global batch of 96 = 16 per device x 6 / 3 / 2 micro-batches on 1 / 2 / 3 processes.
+# A global batch of 96 = 16 per device x 6 / 3 / 2 micro-batches on 1 / 2 / 3 processes. The warmup spans all 20
+# steps, so the first start's 10 (--max_steps 10) see the learning rates of the uninterrupted 20-step run.
 ELASTIC = ["--max_steps", "20", "--logging_steps", "1", "--save_steps", "10", "--eval_steps", "20",
-           "--learning_rate", "1e-3", "--mixed_precision", "no", "--per_device_train_batch_size", "16",
-           "--global_batch_size", "96"]  # fmt: skip
+           "--learning_rate", "1e-3", "--warmup_steps", "20", "--mixed_precision", "no",
+           "--per_device_train_batch_size", "16", "--global_batch_size", "96"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
