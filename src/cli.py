@@ -1,15 +1,13 @@
 """The command line: flags and `--config` YAML files -> a resolved TrainConfig, with the chosen task's options.
 
-    python train.py --config configs/default.yaml --learning_rate 3e-4 --norm batch   # norm: a digits option
-
-Parsing, type checking and the YAML file are jsonargparse's job. The task is found first, and its `Options`
-dataclass (src/tasks/) joins the same parser: its fields are flags and YAML keys like any other, shown by
-`python train.py --task X --help` and saved in the run's config.yaml.
+Parsing, type checking and the YAML files are jsonargparse's job. The task is found first; its `Options` dataclass
+(src/tasks/) joins the same parser, so its fields are flags and YAML keys like any other (`--task X --help` shows them).
 """
 
 import dataclasses
 import difflib
 import inspect
+import itertools
 import re
 import sys
 from pathlib import Path
@@ -41,60 +39,56 @@ def parse_config(argv: "list[str] | TrainConfig | None") -> TrainConfig:
     name = find_task_name(argv, default=run_config.get("task", TrainConfig.task))
     cls = task_class(name)
     parser = build_parser(name, cls)
+    option_names = [f.name for f in dataclasses.fields(cls.Options)]
     if run is not None:  # eval-only or predict from a run: what it does not say, the run's config.yaml says
-        option_names = {f.name for f in dataclasses.fields(cls.Options)} if run_config.get("task") == name else set()
-        keys = {*FROM_THE_RUN, *option_names}
+        keys = {*FROM_THE_RUN, *(option_names if run_config.get("task") == name else ())}
         parser.set_defaults({"output_dir": str(run), **{k: v for k, v in run_config.items() if k in keys}})
     try:
-        namespace = parser.parse_args(argv)
+        values = parser.parse_args(argv).as_dict()
     except Exception as err:  # jsonargparse reports every parse problem as some exception with a message
         hint = suggestion(err, parser, cls, name)
         raise UsageError(f"{one_line(err)}{hint}; see `python train.py --task {name} --help`") from err
-    values = namespace.as_dict()
     values.pop("config", None)
-    option_names = {f.name for f in dataclasses.fields(cls.Options)}
     task_args = {k: values.pop(k) for k in option_names}
     feature_args = {f.name: values.pop(f.name) for options in option_classes() for f in dataclasses.fields(options)}
     return own_run_model(argv, resolve(TrainConfig(**values, task_args=task_args, feature_args=feature_args)))
 
 
-def given(argv: list[str], name: str) -> str | None:
-    """The last `--name X` / `--name=X` on the command line."""
-    value = None
-    for i, arg in enumerate(argv):
-        if arg == f"--{name}" and i + 1 < len(argv):
-            value = argv[i + 1]
+def flag_values(argv: list[str], name: str) -> list[str]:
+    """Each `--name X` / `--name=X` on the command line, in order."""
+    values = []
+    for arg, following in itertools.pairwise([*argv, None]):
+        if arg == f"--{name}" and following is not None:
+            values.append(following)
         elif arg.startswith(f"--{name}="):
-            value = arg.split("=", 1)[1]
-    return value
+            values.append(arg.split("=", 1)[1])
+    return values
+
+
+def given(argv: list[str], name: str, default=None):
+    """The last `--name X` / `--name=X` on the command line, else `default`."""
+    return next(reversed(flag_values(argv, name)), default)
+
+
+def yaml_mapping(path: Path) -> dict | None:
+    """The YAML mapping the file holds; None for a missing file, bad YAML or another value (the parser reports them)."""
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    return loaded if isinstance(loaded, dict) else None
 
 
 def config_files(argv: list[str]) -> list[tuple[Path, dict]]:
-    """The `--config` files of the command line that exist and hold a YAML mapping, in order (the parser reports
-    the others)."""
-    files = []
-    for i, arg in enumerate(argv):
-        value = argv[i + 1] if i + 1 < len(argv) else None
-        if arg.startswith("--config="):
-            arg, value = "--config", arg.split("=", 1)[1]
-        if arg == "--config" and value and Path(value).is_file():
-            try:
-                loaded = yaml.safe_load(Path(value).read_text())
-            except yaml.YAMLError:
-                continue
-            if isinstance(loaded, dict):
-                files.append((Path(value), loaded))
-    return files
+    """The `--config` files of the command line that hold a YAML mapping, in order."""
+    files = [(Path(value), yaml_mapping(Path(value))) for value in flag_values(argv, "config")]
+    return [(path, loaded) for path, loaded in files if loaded is not None]
 
 
 def setting(argv: list[str], name: str):
     """`--name` on the command line, else the last `--config` file's `name`, else None."""
-    value = given(argv, name)
-    if value is not None:
-        return value
-    for _, loaded in config_files(argv):
-        value = loaded.get(name, value)
-    return value
+    in_files = [loaded[name] for _, loaded in config_files(argv) if name in loaded]
+    return given(argv, name, default=in_files[-1] if in_files else None)
 
 
 def run_to_evaluate(argv: list[str]) -> tuple[Path | None, dict]:
@@ -108,39 +102,37 @@ def run_to_evaluate(argv: list[str]) -> tuple[Path | None, dict]:
     path = Path(model)
     if (path / STATE_FILE).is_file() and (path / CONFIG_FILE).is_file():  # a checkpoint, with its run's config
         run, config_file = path.parent.parent, path / CONFIG_FILE
-    elif path.name == MODEL_DIR and (path.parent / CONFIG_FILE).is_file():
-        run, config_file = path.parent, path.parent / CONFIG_FILE
-    elif (path / CONFIG_FILE).is_file():
-        run, config_file = path, path / CONFIG_FILE
-    else:
-        return None, {}
-    try:
-        loaded = yaml.safe_load(config_file.read_text())
-    except yaml.YAMLError:
-        return None, {}
-    return (run, loaded) if isinstance(loaded, dict) else (None, {})
+    else:  # the run's model/, or the run
+        run = path.parent if path.name == MODEL_DIR and (path.parent / CONFIG_FILE).is_file() else path
+        config_file = run / CONFIG_FILE
+    loaded = yaml_mapping(config_file)
+    return (None, {}) if loaded is None else (run, loaded)
 
 
 def own_run_model(argv: list[str], config: TrainConfig) -> TrainConfig:
     """`--config runs/x/config.yaml --do_train false`: that file names the model the run started from (or none); what
     is evaluated is the run's model/, wherever the results go (--output_dir), unless --model_name_or_path says."""
     runs = [path.parent for path, _ in config_files(argv) if path.name == CONFIG_FILE]
-    run = runs[-1] if runs else None
-    if config.do_train or given(argv, "model_name_or_path") or run is None:
+    if config.do_train or given(argv, "model_name_or_path") or not runs:
         return config
-    if not ((run / MODEL_DIR).is_dir() or (run / CHECKPOINTS_DIR).is_dir()):
-        return config  # a config.yaml of one's own, not a run's
-    if not (run / MODEL_DIR).is_dir():
+    run = runs[-1]
+    if (run / MODEL_DIR).is_dir():
+        return dataclasses.replace(config, model_name_or_path=str(run / MODEL_DIR))
+    if (run / CHECKPOINTS_DIR).is_dir():
         raise UsageError(
             f"--config {run / CONFIG_FILE} is the config of the run {run}, which has no {MODEL_DIR}/ yet; evaluate one "
             f"of its checkpoints with --model_name_or_path {run / CHECKPOINTS_DIR}/step_<N>"
         )
-    return dataclasses.replace(config, model_name_or_path=str(run / MODEL_DIR))
+    return config  # a config.yaml of one's own, not a run's
 
 
 def build_parser(name: str, task_cls):
-    owner = {f.name: "TrainConfig" for f in dataclasses.fields(TrainConfig)}  # flag -> whose field it is
-    for options in [*option_classes(), task_cls.Options]:  # the features' options, then the task's
+    parser = ArgumentParser(
+        description="Train a model with Hugging Face Accelerate.", exit_on_error=False, allow_abbrev=False
+    )
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML file with any of the fields below")
+    owner, helps = {}, {}  # flag -> whose field it is, and its help
+    for options in [TrainConfig, *option_classes(), task_cls.Options]:  # the run's fields, the features', the task's
         names = [f.name for f in dataclasses.fields(options)]
         clash = sorted(name for name in names if name in owner)
         if clash:
@@ -149,24 +141,15 @@ def build_parser(name: str, task_cls):
                 "name; rename them"
             )
         owner |= dict.fromkeys(names, options.__qualname__)
-    parser = ArgumentParser(
-        description="Train a model with Hugging Face Accelerate.", exit_on_error=False, allow_abbrev=False
-    )
-    parser.add_argument("--config", action=ActionConfigFile, help="YAML file with any of the fields below")
-    parser.add_class_arguments(TrainConfig, as_group=False, skip={"task_args", "feature_args"})
-    for options in option_classes():
-        parser.add_class_arguments(options, as_group=False)
-    parser.add_class_arguments(task_cls.Options, as_group=True)
-    helps = {k: v for cls in [TrainConfig, *option_classes(), task_cls.Options] for k, v in field_help(cls).items()}
+        helps |= field_help(options)
+        parser.add_class_arguments(options, as_group=options is task_cls.Options, skip={"task_args", "feature_args"})
     for action in parser._actions:  # jsonargparse takes help from docstrings; ours are the fields' comments
         if action.dest in helps:
             action.help = helps[action.dest]
     source = Path(inspect.getsourcefile(task_cls) or "?").resolve()
     source = source.relative_to(Path.cwd()) if source.is_relative_to(Path.cwd()) else source
-    for group in parser._action_groups:
-        if group.title and task_cls.Options.__name__ in group.title:
-            group.title = f"options of --task {name} ({source}: {task_cls.__qualname__}.Options)"
-            group.description = None
+    group = parser.groups[task_cls.Options.__name__]
+    group.title, group.description = f"options of --task {name} ({source}: {task_cls.__qualname__}.Options)", None
     return parser
 
 
@@ -216,7 +199,4 @@ def resolve_feature_args(given: dict) -> dict:
     unknown = set(given) - {f.name for options in classes for f in dataclasses.fields(options)}
     if unknown:
         raise UsageError(f"unknown feature options {', '.join(sorted(unknown))}: no installed feature has them")
-    resolved = {}
-    for options in classes:
-        resolved |= dataclasses.asdict(options_of(options, given))
-    return resolved
+    return {k: v for options in classes for k, v in dataclasses.asdict(options_of(options, given)).items()}

@@ -1,7 +1,6 @@
-"""The run's configuration: the TrainConfig dataclass, what every run has; the chosen task adds its own options.
+"""The run's configuration: TrainConfig, what every run has (the chosen task adds its own options), and its checks.
 
-Names follow Hugging Face `TrainingArguments` where one exists. This module declares the fields and checks that
-their values make sense together; src/cli.py reads them from the command line and YAML files.
+Names follow Hugging Face `TrainingArguments` where one exists; src/cli.py reads the fields from flags and YAML files.
 """
 
 import ast
@@ -26,6 +25,7 @@ POSITIVE += ("learning_rate", "num_train_epochs", "logging_steps", "eval_steps")
 NON_NEGATIVE = ("weight_decay", "warmup_steps", "max_grad_norm", "dataloader_num_workers", "save_steps")
 POSITIVE_OR_NONE = ("global_batch_size", "save_total_limit", "max_train_samples", "max_eval_samples")
 POSITIVE_OR_NONE += ("max_predict_samples", "early_stopping_patience")
+NEEDS_EVAL = ("metric_for_best_model", "load_best_model_at_end", "early_stopping_patience")  # evaluations in training
 
 
 @dataclass
@@ -117,29 +117,20 @@ class TrainConfig:
             problems.append(f"--output_dir {self.output_dir} is a URL; keep --output_dir a local folder")
         if self.auto_find_batch_size and self.global_batch_size is None:
             problems.append("--auto_find_batch_size needs --global_batch_size, so the optimiser's batch stays the same")
-        problems += self.check_phases()
-        if problems:
-            raise UsageError("; ".join(problems))
-
-    def check_phases(self) -> list[str]:
-        """do_train / do_eval / do_predict and the best-model settings that depend on them."""
         if not (self.do_train or self.do_eval or self.do_predict):
-            return ["--do_train, --do_eval and --do_predict are all false: nothing to do"]
+            problems.append("--do_train, --do_eval and --do_predict are all false: nothing to do")
         if self.load_best_model_at_end and self.metric_for_best_model is None:
             self.metric_for_best_model = "eval/loss"  # as in transformers
         if self.metric_for_best_model and not self.metric_for_best_model.startswith("eval/"):
             self.metric_for_best_model = f"eval/{self.metric_for_best_model}"  # "accuracy", as transformers names it
         if self.metric_for_best_model and self.greater_is_better is None:
             self.greater_is_better = not self.metric_for_best_model.endswith(("loss", "perplexity"))
-        needs_eval = [
-            name
-            for name in ("metric_for_best_model", "load_best_model_at_end", "early_stopping_patience")
-            if getattr(self, name)
-        ]
+        needs_eval = [name for name in NEEDS_EVAL if getattr(self, name)]
         # Without training they don't apply: a run's config.yaml that kept the best model evaluates as it is.
         if needs_eval and self.do_train and not self.do_eval:
-            return [f"--{needs_eval[0]} needs evaluations during training: set --do_eval true"]
-        return []
+            problems.append(f"--{needs_eval[0]} needs evaluations during training: set --do_eval true")
+        if problems:
+            raise UsageError("; ".join(problems))
 
     def to_dict(self) -> dict:
         """Flat, as on the command line and in config.yaml: the task's and features' options beside the run's fields."""

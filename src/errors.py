@@ -1,15 +1,4 @@
-"""How a run ends when it does not finish: one line and a documented exit code, not a traceback.
-
-| exit code | meaning |
-| --- | --- |
-| 0  | trained to the end |
-| 2  | bad input (config, flags, data, paths, a launch this machine can't run): the `error:` line names the fix |
-| 65 | the training diverged: the loss became NaN/inf (the checkpoints before it are intact) |
-| 70 | the task's code failed on a batch: the `error:` line names the hook and the batch's structure |
-| 74 | a checkpoint could not be written (disk full, quota) or uploaded (--output_mirror): the previous are intact |
-| 75 | preempted (SIGTERM/SIGUSR1): a checkpoint was saved; run the same command to resume (requeue) |
-| 129 | the launcher died: each process stopped (after a preemption checkpoint where one was reached in seconds) |
-| 130 | interrupted (Ctrl-C) |
+"""How a run ends when it does not finish: one line and a documented exit code (docs/errors.md), not a traceback.
 
 `--debug true` or TRAIN_DEBUG=1 shows the traceback instead.
 """
@@ -19,12 +8,13 @@ import hashlib
 import os
 import sys
 import time
+from pathlib import Path
 
-EXIT_USAGE = 2
-EXIT_DIVERGED = 65  # EX_DATAERR from sysexits.h
-EXIT_TASK_FAILED = 70  # EX_SOFTWARE
-EXIT_WRITE_FAILED = 74  # EX_IOERR
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "temporary failure, try again"
+EXIT_USAGE = 2  # bad input (config, flags, data, paths, a launch this machine can't run): the line names the fix
+EXIT_DIVERGED = 65  # the loss became NaN/inf (earlier checkpoints are intact); EX_DATAERR from sysexits.h
+EXIT_TASK_FAILED = 70  # the task's code failed on a batch: the line names the hook and the batch; EX_SOFTWARE
+EXIT_WRITE_FAILED = 74  # a checkpoint could not be written or uploaded (the previous are intact); EX_IOERR
+EXIT_PREEMPTED = 75  # preempted, a checkpoint saved: run the same command to resume; EX_TEMPFAIL, "try again"
 EXIT_LAUNCHER_GONE = 129  # 128 + SIGHUP, as a process whose terminal hung up (src/preemption.py)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 # the codes of a run that said why in its one line (not 1, an unexpected failure's, nor 129: no one reads that one)
@@ -71,10 +61,9 @@ class TrainingPreempted(RunStopped):
     prefix = "preempted"
 
 
-def debug_requested(argv: list[str] | None = None) -> bool:
+def debug_requested() -> bool:
     """`--debug true` on the command line or TRAIN_DEBUG=1 shows full tracebacks instead of one-line errors."""
-    argv = sys.argv[1:] if argv is None else argv
-    return "--debug" in argv or os.environ.get("TRAIN_DEBUG", "") not in ("", "0")
+    return "--debug" in sys.argv[1:] or os.environ.get("TRAIN_DEBUG", "") not in ("", "0")
 
 
 def is_main_process() -> bool:
@@ -95,10 +84,8 @@ def first_to_say(line: str) -> bool:
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not error_file:
         return True
-    attempt = os.path.dirname(os.path.dirname(error_file))
-    claim = os.path.join(attempt, "said-" + hashlib.sha1(line.encode()).hexdigest())
     try:
-        os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        (Path(error_file).parent.parent / f"said-{hashlib.sha1(line.encode()).hexdigest()}").touch(exist_ok=False)
     except FileExistsError:
         return False
     except OSError:  # no such folder: say it
@@ -147,7 +134,7 @@ def describe(value, depth: int = 0) -> str:
         return f"tensor {str(value.dtype).removeprefix('torch.')} {list(value.shape)}"
     if depth > 2:
         return type(value).__name__
-    if isinstance(value, dict) or hasattr(value, "keys"):
+    if hasattr(value, "keys"):
         return "{" + ", ".join(f"{k}: {describe(value[k], depth + 1)}" for k in list(value.keys())[:8]) + "}"
     if isinstance(value, (list, tuple)):
         inner = ", ".join(describe(v, depth + 1) for v in value[:4])

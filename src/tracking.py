@@ -10,28 +10,19 @@ import netrc
 import os
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
+import accelerate
 import torch
 from accelerate.tracking import GeneralTracker
+from tqdm.auto import tqdm
 
 from src.config import TrainConfig
 from src.run_dir import DVCLIVE_DIR, METRICS_FILE, MLFLOW_STORE
 from src.strategy import fsdp_units, strategy_of
 
 logger = logging.getLogger(__name__)
-
-
-def setup_logging(accelerator) -> None:
-    """INFO lines from the main process; other processes print errors only (no N copies of every warning)."""
-    level = logging.INFO if accelerator.is_main_process else logging.ERROR
-    logging.basicConfig(format="%(asctime)s %(message)s", datefmt="%H:%M:%S", level=level, force=True)
-    logging.getLogger("accelerate").setLevel(logging.WARNING)  # its INFO lines repeat ours, some wrongly
-    logging.getLogger("accelerate.tracking").setLevel(logging.ERROR)  # "dropped a string" for setup/device etc.
-    for name in ("botocore", "aiobotocore"):  # --output_mirror s3://: "Found credentials in ...", each client
-        logging.getLogger(name).setLevel(logging.WARNING)
-    quiet_library_noise(accelerator.is_main_process)
-
 
 # Warnings from inside the libraries that nothing in a run's config or code can change: where they are, and why.
 LIBRARY_NOISE = (
@@ -42,12 +33,17 @@ LIBRARY_NOISE = (
 )
 
 
-def quiet_library_noise(main_process: bool) -> None:
-    """The one place that filters Python warnings: LIBRARY_NOISE never, any other once per message (libraries that
-    change the filters reset Python's once-per-line memory); on the other processes none (the main one shows them)."""
-    import warnings
-
-    if not main_process:
+def setup_logging(accelerator) -> None:
+    """INFO lines from the main process; other processes print errors only (no N copies of every warning)."""
+    level = logging.INFO if accelerator.is_main_process else logging.ERROR
+    logging.basicConfig(format="%(asctime)s %(message)s", datefmt="%H:%M:%S", level=level, force=True)
+    logging.getLogger("accelerate").setLevel(logging.WARNING)  # its INFO lines repeat ours, some wrongly
+    logging.getLogger("accelerate.tracking").setLevel(logging.ERROR)  # "dropped a string" for setup/device etc.
+    for name in ("botocore", "aiobotocore"):  # --output_mirror s3://: "Found credentials in ...", each client
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # The one place that filters Python warnings: on the other processes none shows (the main one shows them); here
+    # LIBRARY_NOISE never, any other once per message (libraries that change the filters reset Python's memory).
+    if not accelerator.is_main_process:
         warnings.filterwarnings("ignore")
         return
     for category in (FutureWarning, UserWarning):
@@ -61,24 +57,20 @@ class JsonlTracker(GeneralTracker):
 
     name = "jsonl"
     requires_logging_directory = False
-    main_process_only = True
+    tracker = None  # the open file, once started
 
     def __init__(self, path: Path):
         super().__init__()
-        self.path, self.file = Path(path), None
+        self.path = Path(path)
 
-    @property
-    def tracker(self):
-        return self.file
-
-    def start(self):  # called by init_trackers on the main process only
-        self.file = open(self.path, "a", buffering=1)  # noqa: SIM115 (closed in finish); line-buffered: a kill keeps every line
+    def start(self):  # called by init_trackers on the main process only (GeneralTracker.main_process_only)
+        self.tracker = open(self.path, "a", buffering=1)  # noqa: SIM115 (closed in finish); line-buffered: a kill keeps every line
 
     def log(self, values: dict, step: int | None = None, **kwargs):
-        self.file.write(json.dumps({"step": step, **values}) + "\n")
+        self.tracker.write(json.dumps({"step": step, **values}) + "\n")
 
     def finish(self):
-        self.file.close()
+        self.tracker.close()
 
 
 def build_trackers(config: TrainConfig) -> list:
@@ -88,12 +80,7 @@ def build_trackers(config: TrainConfig) -> list:
 
 def start_tracking(accelerator, config: TrainConfig, resume_run_id: str | None = None) -> str | None:
     """Start one tracker run (main process); a resumed run continues its wandb run. Returns the wandb run id."""
-    wandb_kwargs = {
-        "name": config.run_name,
-        "dir": config.output_dir,
-        "tags": config.run_tags,
-        "group": config.run_group,
-    }
+    wandb_kwargs = dict(name=config.run_name, dir=config.output_dir, tags=config.run_tags, group=config.run_group)
     if "wandb" in config.report_to:
         configure_wandb(config)
         if resume_run_id:
@@ -150,8 +137,6 @@ def loggable(values: dict) -> dict:
 
 def setup_metrics(accelerator, model, config: TrainConfig, global_batch: int) -> dict:
     """Logged once per start: what a reader of the curves needs to know about the run."""
-    import accelerate
-
     strategy = strategy_of(model)
     return {
         "setup/parameters": parameter_count(model),
@@ -171,8 +156,7 @@ def setup_metrics(accelerator, model, config: TrainConfig, global_batch: int) ->
 
 def parameter_count(model, trainable_only: bool = False) -> int:
     """Every parameter's elements, whole under FSDP2 (a DTensor's numel) and ZeRO-3 (ds_numel)."""
-    parameters = [p for p in model.parameters() if p.requires_grad or not trainable_only]
-    return sum(getattr(p, "ds_numel", p.numel()) for p in parameters)
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad or not trainable_only)
 
 
 def log_metrics(accelerator, metrics: dict, step: int) -> None:
@@ -184,8 +168,6 @@ def log_metrics(accelerator, metrics: dict, step: int) -> None:
 
 def progress_bar(accelerator, total: int, initial: int = 0):
     """tqdm on the main process when stdout is a terminal; otherwise the periodic log lines are the progress."""
-    from tqdm.auto import tqdm
-
     size = shutil.get_terminal_size()  # 80x24 where a pseudo-terminal reports 0x0 (tqdm would then draw nothing)
     shown = accelerator.is_main_process and sys.stdout.isatty()
     return tqdm(total=total, initial=initial, unit="step", ncols=size.columns, nrows=size.lines, disable=not shown)
