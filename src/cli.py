@@ -30,8 +30,7 @@ FROM_THE_RUN += ("mixed_precision", "seed")
 
 def parse_config(argv: "list[str] | TrainConfig | None") -> TrainConfig:
     """Defaults <- `--config file.yaml` <- `--field value` flags, type-checked; bad input raises UsageError. `argv`
-    None reads sys.argv; a TrainConfig (from Python) is resolved as it is. The task is found first (its options are
-    part of the same command line): `--task`, else the last --config file that names one, else digits."""
+    None reads sys.argv; a TrainConfig (from Python) is resolved as it is."""
     if isinstance(argv, TrainConfig):
         return resolve(argv)
     argv = sys.argv[1:] if argv is None else argv
@@ -81,8 +80,7 @@ def yaml_mapping(path: Path) -> dict | None:
 
 def config_files(argv: list[str]) -> list[tuple[Path, dict]]:
     """The `--config` files of the command line that hold a YAML mapping, in order."""
-    files = [(Path(value), yaml_mapping(Path(value))) for value in flag_values(argv, "config")]
-    return [(path, loaded) for path, loaded in files if loaded is not None]
+    return [(Path(v), loaded) for v in flag_values(argv, "config") if (loaded := yaml_mapping(Path(v))) is not None]
 
 
 def setting(argv: list[str], name: str):
@@ -154,8 +152,7 @@ def build_parser(name: str, task_cls):
 
 
 def find_task_name(argv: list[str], default: str = TrainConfig.task) -> str:
-    """`--task X` / `--task=X` on the command line, else the last `--config` file naming a task, else `default`
-    (digits, or the task of the run an eval-only command evaluates)."""
+    """`--task X` on the command line, else the last `--config` file's task, else `default` (digits, or the run's)."""
     name = setting(argv, "task")
     return name if isinstance(name, str) else default
 
@@ -193,8 +190,7 @@ def resolve(config: TrainConfig) -> TrainConfig:
 
 
 def resolve_feature_args(given: dict) -> dict:
-    """Every installed feature's options, defaults filled in and checked by its Options dataclass; an unknown name
-    (a feature that is not installed) is refused."""
+    """Every installed feature's options, defaults filled in and checked by its Options; unknown names are refused."""
     classes = option_classes()
     unknown = set(given) - {f.name for options in classes for f in dataclasses.fields(options)}
     if unknown:

@@ -185,8 +185,7 @@ def resolve_global_batch(config: TrainConfig, num_processes: int) -> int:
 
 
 def field_help(cls) -> dict[str, str]:
-    """name -> the comment at the end of the field's line in the dataclass's source (the --help text), the base
-    dataclasses' fields included (e.g. the Hugging Face tasks' AdapterOptions)."""
+    """name -> the comment ending the field's line in the source (its --help text), base dataclasses' too."""
     comments = {}
     for base in [c for c in reversed(cls.__mro__) if dataclasses.is_dataclass(c)]:
         try:

@@ -1,7 +1,4 @@
-"""How a run ends when it does not finish: one line and a documented exit code (docs/errors.md), not a traceback.
-
-`--debug true` or TRAIN_DEBUG=1 shows the traceback instead.
-"""
+"""How a run ends early: one line and a documented exit code (docs/errors.md), not a traceback (unless --debug)."""
 
 import functools
 import hashlib
@@ -61,11 +58,6 @@ class TrainingPreempted(RunStopped):
     prefix = "preempted"
 
 
-def debug_requested() -> bool:
-    """`--debug true` on the command line or TRAIN_DEBUG=1 shows full tracebacks instead of one-line errors."""
-    return "--debug" in sys.argv[1:] or os.environ.get("TRAIN_DEBUG", "") not in ("", "0")
-
-
 def is_main_process() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
@@ -94,8 +86,7 @@ def first_to_say(line: str) -> bool:
 
 
 def let_threads_settle(num_processes: int | None = None) -> None:
-    """On N processes (default: torchrun's WORLD_SIZE), before the model and process group are freed: a moment for
-    gloo's threads (src/distributed.py: let_gloo_settle)."""
+    """On N processes (default: WORLD_SIZE), before the process group is freed: a moment for gloo's threads."""
     if (num_processes or int(os.environ.get("WORLD_SIZE", "1"))) > 1:
         time.sleep(0.05)
 
@@ -108,7 +99,8 @@ def command_line(fn):
         try:
             return fn(*args, **kwargs)
         except RunStopped as err:
-            if debug_requested() and not isinstance(err, TrainingPreempted):
+            debug = "--debug" in sys.argv[1:] or os.environ.get("TRAIN_DEBUG", "") not in ("", "0")
+            if debug and not isinstance(err, TrainingPreempted):  # a preemption is no failure: no traceback
                 raise
             line = f"{err.prefix}: {err}"
             if (is_main_process() or not err.main_process_only) and first_to_say(line):

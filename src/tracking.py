@@ -93,7 +93,8 @@ def start_tracking(accelerator, config: TrainConfig, resume_run_id: str | None =
         "mlflow": {"run_name": config.run_name, "tags": mlflow_tags},
         "dvclive": {"dir": str(Path(config.output_dir) / DVCLIVE_DIR)},  # not ./dvclive in the working directory
     }
-    accelerator.init_trackers(config.project_name, config=loggable(config.to_dict()), init_kwargs=init_kwargs)
+    scalars = {k: v if isinstance(v, int | float | str | bool | None) else str(v) for k, v in config.to_dict().items()}
+    accelerator.init_trackers(config.project_name, config=scalars, init_kwargs=init_kwargs)  # tensorboard: scalars only
     if "wandb" in config.report_to and accelerator.is_main_process:
         return accelerator.get_tracker("wandb", unwrap=True).id
     return resume_run_id
@@ -128,11 +129,6 @@ def has_wandb_credentials() -> bool:
         return netrc.netrc(os.environ.get("NETRC")).authenticators("api.wandb.ai") is not None
     except (FileNotFoundError, netrc.NetrcParseError):
         return False
-
-
-def loggable(values: dict) -> dict:
-    """Trackers take scalars only (tensorboard's hparams); lists and dicts become strings."""
-    return {k: v if isinstance(v, (int, float, str, bool)) or v is None else str(v) for k, v in values.items()}
 
 
 def setup_metrics(accelerator, model, config: TrainConfig, global_batch: int) -> dict:
