@@ -3,10 +3,10 @@
 Names follow Hugging Face `TrainingArguments` where one exists; src/cli.py reads the fields from flags and YAML files.
 """
 
-import ast
 import dataclasses
 import difflib
 import inspect
+import re
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -192,12 +192,7 @@ def field_help(cls) -> dict[str, str]:
             source = textwrap.dedent(inspect.getsource(base))
         except (OSError, TypeError):
             continue
-        lines = source.splitlines()
-        comments |= {
-            node.target.id: lines[node.lineno - 1].split("  # ", 1)[1]
-            for node in ast.parse(source).body[0].body
-            if isinstance(node, ast.AnnAssign) and "  # " in lines[node.lineno - 1]
-        }
+        comments |= dict(re.findall(r"^    (\w+): .*?  # (.*)$", source, flags=re.MULTILINE))  # the class's own fields
     return comments
 
 

@@ -4,6 +4,7 @@ The rule lives here, once (other processes' consoles are silenced; Accelerate's 
 main process only), so the training loop never asks which rank it is on.
 """
 
+import contextlib
 import json
 import logging
 import netrc
@@ -112,23 +113,18 @@ def configure_mlflow(config: TrainConfig) -> None:
 
 
 def configure_wandb(config: TrainConfig) -> None:
-    """No credentials and no WANDB_MODE: go offline instead of prompting forever (or crashing without a TTY)."""
-    if os.environ.get("WANDB_MODE") or has_wandb_credentials():
+    """No WANDB_MODE and no credentials (WANDB_API_KEY, or a netrc entry as `wandb login` writes): go offline instead
+    of prompting forever (or crashing without a TTY)."""
+    if os.environ.get("WANDB_MODE") or os.environ.get("WANDB_API_KEY"):
         return
+    with contextlib.suppress(FileNotFoundError, netrc.NetrcParseError):
+        if netrc.netrc(os.environ.get("NETRC")).authenticators("api.wandb.ai"):
+            return
     os.environ["WANDB_MODE"] = "offline"
     logger.info(
         "wandb: no API key found, logging offline; upload later with `wandb sync %s/wandb/offline-run-*`",
         config.output_dir,
     )
-
-
-def has_wandb_credentials() -> bool:
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    try:
-        return netrc.netrc(os.environ.get("NETRC")).authenticators("api.wandb.ai") is not None
-    except (FileNotFoundError, netrc.NetrcParseError):
-        return False
 
 
 def setup_metrics(accelerator, model, config: TrainConfig, global_batch: int) -> dict:
