@@ -180,9 +180,8 @@ def resolve(config: TrainConfig) -> TrainConfig:
     cls = task_class(config.task)
     options = dataclasses.asdict(parse_task_options(cls, config.task_args))
     feature_args = resolve_feature_args(config.feature_args)
-    data_files = config.data_files
-    if not config.dataset_name and not data_files:
-        data_files = cls.default_data_files  # none: a task whose data is its own (src/data.py says so if it reads)
+    # neither given: the task's default files (none: a task whose data is its own; src/data.py says so if it reads)
+    data_files = config.data_files if config.dataset_name or config.data_files else cls.default_data_files
     output_dir = config.output_dir or f"runs/{task_name(config.task)}"
     model = config.model_name_or_path or (None if config.do_train else f"{output_dir}/model")  # the run's own model
     resolved = {"data_files": data_files, "output_dir": output_dir, "model_name_or_path": model}

@@ -86,7 +86,8 @@ def first_to_say(line: str) -> bool:
 
 
 def let_threads_settle(num_processes: int | None = None) -> None:
-    """On N processes (default: WORLD_SIZE), before the process group is freed: a moment for gloo's threads."""
+    """On N processes (default: WORLD_SIZE), before the process group is freed: a moment for gloo's threads
+    (src/distributed.py: let_gloo_settle)."""
     if (num_processes or int(os.environ.get("WORLD_SIZE", "1"))) > 1:
         time.sleep(0.05)
 
@@ -100,7 +101,7 @@ def command_line(fn):
             return fn(*args, **kwargs)
         except RunStopped as err:
             debug = "--debug" in sys.argv[1:] or os.environ.get("TRAIN_DEBUG", "") not in ("", "0")
-            if debug and not isinstance(err, TrainingPreempted):  # a preemption is no failure: no traceback
+            if debug and not isinstance(err, TrainingPreempted):  # preempted: exit 75 all the same, for the requeue
                 raise
             line = f"{err.prefix}: {err}"
             if (is_main_process() or not err.main_process_only) and first_to_say(line):
