@@ -1,8 +1,6 @@
-"""Reading the data a task trains on: `datasets.load_dataset` on local Parquet/CSV/JSON files, image folders or a Hub
-name (`load_splits`), or, for tasks whose data becomes tensors, pyarrow Tables without `datasets` (`load_tables`) and
-their columns as tensors (`column_tensor`). Each task (src/tasks/) turns the splits into torch Datasets;
-src/loaders.py makes the DataLoaders.
-"""
+"""Reading a task's data: `datasets.load_dataset` on local Parquet/CSV/JSON files, image folders or a Hub name
+(`load_splits`), or, for data that becomes tensors, pyarrow Tables without `datasets` (`load_tables`) and their
+columns as tensors (`column_tensor`). Tasks (src/tasks/) make torch Datasets of them, src/loaders.py DataLoaders."""
 
 from pathlib import Path
 from typing import NamedTuple
@@ -17,8 +15,8 @@ LOCAL_BUILDERS = {*FILE_BUILDERS.values(), FOLDER_BUILDER}  # --dataset_name nam
 
 
 def load_splits(config: TrainConfig, names: list[str] | None = None):
-    """A `datasets.DatasetDict` holding the splits `names` (default: train and eval) of the data the config names.
-    Local files of other splits are not read: an evaluation without training never touches the train split."""
+    """A `datasets.DatasetDict` holding the splits `names` (default: train and eval). Local files of other splits are
+    not read: an evaluation without training never touches the train split."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -26,10 +24,9 @@ def load_splits(config: TrainConfig, names: list[str] | None = None):
     local = local_files(config, names)
     if local is None:
         splits = load_hub_dataset(config)
-        missing = [name for name in names if name not in splits]
-        if missing:
+        if missing := [name for name in names if name not in splits]:
             raise missing_split(config, missing[0], list(splits))
-    else:  # local files: only those of the named splits are read
+    else:
         files, builder = local
         if builder == FOLDER_BUILDER:  # datasets reads a folder's files through a pattern
             files = {split: str(Path(folder) / "**") for split, folder in files.items()}
@@ -43,10 +40,9 @@ def load_splits(config: TrainConfig, names: list[str] | None = None):
 
 
 def load_tables(config: TrainConfig, names: list[str] | None = None, columns: list[str] | None = None) -> dict:
-    """The splits `names` (default: train and eval) as pyarrow Tables, for tasks that turn columns into tensors
-    (`column_tensor`); `columns`: only those of them the split has. Local Parquet files are read by pyarrow itself, as
-    datasets' Parquet builder does, without importing `datasets` (docs/benchmark.md); all other data through
-    load_splits."""
+    """The splits `names` (default: train and eval) as pyarrow Tables of those of `columns` they have (None: all).
+    Local Parquet files are read by pyarrow, as datasets' Parquet builder does, without importing `datasets`
+    (docs/benchmark.md); other data through load_splits."""
     names = names or [config.train_split, config.eval_split]
     local = local_files(config, names)
     if local is None or local.builder != "parquet":
@@ -77,12 +73,10 @@ class LocalFiles(NamedTuple):
 
 
 def local_files(config: TrainConfig, names: list[str]) -> LocalFiles | None:
-    """The data files of splits `names` and their `datasets` builder; None for a Hub dataset. A split the files lack,
-    a missing file or a --dataset_name that doesn't read them: a UsageError."""
+    """The data files of splits `names` and their `datasets` builder; None for a Hub dataset."""
     if not reads_local_files(config):
         return None
-    missing = [name for name in names if name not in config.data_files]
-    if missing:
+    if missing := [name for name in names if name not in config.data_files]:
         raise missing_split(config, missing[0], list(config.data_files))
     files = {split: config.data_files[split] for split in names}
     builder = file_builder(files)
@@ -144,7 +138,7 @@ def reads_local_files(config: TrainConfig) -> bool:
 
 
 def no_data(config: TrainConfig) -> UsageError:
-    """Asked for data files or a dataset, and the config names neither (the task has no default_data_files)."""
+    """The config names neither data files nor a dataset (and the task has no default_data_files)."""
     return UsageError(f"no data for --task {config.task}: set --data_files (local files) or --dataset_name")
 
 
@@ -152,41 +146,31 @@ def has_split(config: TrainConfig, name: str) -> bool:
     """Whether the data holds split `name` (the optional test split); no data named: none (the task's own data)."""
     if not (config.data_files or config.dataset_name):
         return False
-    if not reads_local_files(config):
-        return name in load_hub_dataset(config)
-    return name in config.data_files
+    return name in (config.data_files if reads_local_files(config) else load_hub_dataset(config))
 
 
 def missing_split(config: TrainConfig, name: str, available: list[str]) -> UsageError:
     """The error for a split the data lacks (read in full or streamed), naming the flag that fixes it."""
+    if name == config.train_split:
+        flag = "--train_split"
+    elif name == config.eval_split:
+        flag = "--eval_split" if config.do_train else "--eval_split (or --do_eval false)"
+    else:
+        flag = "--test_split"
     where = "set" if config.dataset_name else "add it to --data_files or set"
-    flag = split_flag(config, name)
     return UsageError(f"the data has no split {name!r} (it has {', '.join(available)}); {where} {flag}")
 
 
-def split_flag(config: TrainConfig, split: str) -> str:
-    if split == config.train_split:
-        return "--train_split"
-    if split == config.eval_split:
-        return "--eval_split (or --do_eval false)" if not config.do_train else "--eval_split"
-    return "--test_split"
-
-
 def file_builder(data_files: dict[str, str]) -> str:
-    """The `datasets` builder for local files, from their extension (a folder: imagefolder); all splits must share
-    one format."""
+    """The `datasets` builder for local files, from their extension (a folder: imagefolder); one for all splits."""
     suffixes = set()
     for split, path in data_files.items():
-        if Path(path).is_dir():
-            suffixes.add("a folder")
-            continue
-        if not Path(path).is_file():
+        if not (Path(path).is_dir() or Path(path).is_file()):
             raise UsageError(
                 f"data file for split {split!r} not found: {path} (set --data_files or run from the repo root)"
             )
-        suffixes.add(Path(path).suffix.lower())
-    unsupported = suffixes - {*FILE_BUILDERS, "a folder"}
-    if unsupported or len(suffixes) != 1:
+        suffixes.add("a folder" if Path(path).is_dir() else Path(path).suffix.lower())
+    if len(suffixes) != 1 or not suffixes <= {*FILE_BUILDERS, "a folder"}:
         raise UsageError(
             f"data_files must all be one of {', '.join(FILE_BUILDERS)} or all folders of images "
             f"(got {', '.join(sorted(suffixes))})"
@@ -199,15 +183,13 @@ def load_hub_dataset(config: TrainConfig):
     """Fail in a second, not after ~23 s of retries, when the Hub can't be reached and nothing is cached."""
     import datasets
 
-    name = config.dataset_name
-    check_hub_repo(name, "dataset", flag="--dataset_name", instead="use --data_files")
-    return datasets.load_dataset(name, config.dataset_config_name)
+    check_hub_repo(config.dataset_name, "dataset", flag="--dataset_name", instead="use --data_files")
+    return datasets.load_dataset(config.dataset_name, config.dataset_config_name)
 
 
 def check_columns(split, wanted: list[str], flags: str) -> None:
     """A UsageError naming the absent columns, the ones the data has and the flags that choose them."""
-    missing = set(wanted) - set(split.column_names)
-    if missing:
+    if missing := set(wanted) - set(split.column_names):
         raise UsageError(
             f"the data has no column {', '.join(sorted(missing))} (it has {', '.join(split.column_names)}); set {flags}"
         )
