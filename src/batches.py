@@ -1,6 +1,5 @@
-"""Training batches, a whole accumulation window at a time: the prepared DataLoader's (`LoaderBatches`), or, for data
-held in tensors, one gather per batch by the indices its batch sampler yields (`IndexBatches`): the same batches
-without the per-sample calls and stacking, which cost about a tiny model's whole step on a CPU (docs/benchmark.md)."""
+"""Training batches in whole accumulation windows: the prepared DataLoader's (`LoaderBatches`) or, for data held in
+tensors, the same batches each gathered at once by its batch sampler's indices (`IndexBatches`, docs/benchmark.md)."""
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -82,9 +81,7 @@ class Gatherable(Protocol):
     those indices. `TensorDataset`s qualify as they are (`gatherable`)."""
 
     def gather(self, indices: torch.Tensor): ...
-
     def to(self, device: torch.device) -> "Gatherable": ...  # the same rows, held on `device`
-
     def nbytes(self) -> int: ...  # the memory its rows take
 
 
@@ -130,11 +127,10 @@ def gatherable(dataset: Dataset) -> Gatherable | None:
 
 
 class EpochOrder:
-    """This process's sample indices for an epoch, in one tensor: those the prepared loader's batch sampler yields.
-    Drawn from it they cost a Python generator step per sample; computed, one randperm and one gather. A batch sampler
-    (Accelerate's sharding and padding included) arranges the *positions* of its sampler's sequence the same way every
-    epoch: they are read once from epoch 0, and an epoch is its sequence at them, where the sampler's order is known
-    (`known_sequence`) and checked against the batch sampler on epoch 1 at the start; else they are drawn."""
+    """This process's sample indices for an epoch, in one tensor: those the prepared loader's batch sampler yields,
+    which cost a Python generator step per sample to draw. A batch sampler (Accelerate's shards and padding included)
+    takes the same *positions* of its sampler's sequence every epoch: read once from epoch 0, they make an epoch one
+    randperm and one gather where the sequence is known (`known_sequence`) and gives epoch 1's indices; else drawn."""
 
     def __init__(self, loader: DataLoader):
         self.loader = loader
@@ -176,10 +172,9 @@ def flatten(batches: list[list[int]]) -> torch.Tensor:
 
 
 class IndexBatches:
-    """The same batches as `LoaderBatches`, each one gather by the indices of the prepared loader's batch sampler
-    (`EpochOrder`). On a GPU, rows that take at most a quarter of its free memory are moved there once. (The
-    DataLoader also draws a worker seed from torch's global RNG for each epoch's iterator; this path does not, so a
-    model with dropout draws other masks here than through the DataLoader.)"""
+    """The same batches as `LoaderBatches`, each one gather at `EpochOrder`'s indices; on a GPU, rows that take at most
+    a quarter of its free memory are moved there once. The DataLoader draws a worker seed from torch's global RNG each
+    epoch and this does not, so a model with dropout draws other masks here."""
 
     def __init__(self, loader: DataLoader, dataset: Gatherable, device: torch.device):
         self.order, self.device = EpochOrder(loader), device

@@ -1,9 +1,7 @@
 """Reading a task's data: `datasets.load_dataset` on local Parquet/CSV/JSON files, image folders or a Hub name
-(`load_splits`), or, for data that becomes tensors, pyarrow Tables without `datasets` (`load_tables`) and their
-columns as tensors (`column_tensor`). Tasks (src/tasks/) make torch Datasets of them, src/loaders.py DataLoaders."""
+(`load_splits`); for data that becomes tensors, pyarrow Tables without `datasets` (`load_tables`, `column_tensor`)."""
 
 from pathlib import Path
-from typing import NamedTuple
 
 from src.config import TrainConfig
 from src.errors import UsageError, one_line
@@ -15,21 +13,19 @@ LOCAL_BUILDERS = {*FILE_BUILDERS.values(), FOLDER_BUILDER}  # --dataset_name nam
 
 
 def load_splits(config: TrainConfig, names: list[str] | None = None):
-    """A `datasets.DatasetDict` holding the splits `names` (default: train and eval). Local files of other splits are
-    not read: an evaluation without training never touches the train split."""
+    """A `datasets.DatasetDict` of the splits `names` (default: train and eval); other splits' files are not read."""
     import datasets
 
     datasets.disable_progress_bars()
     names = names or [config.train_split, config.eval_split]
-    local = local_files(config, names)
-    if local is None:
+    files, builder = local_files(config, names)
+    if builder == FOLDER_BUILDER:  # datasets reads a folder's files through a pattern
+        files = {split: str(Path(folder) / "**") for split, folder in files.items()}
+    if builder is None:
         splits = load_hub_dataset(config)
         if missing := [name for name in names if name not in splits]:
             raise missing_split(config, missing[0], list(splits))
     else:
-        files, builder = local
-        if builder == FOLDER_BUILDER:  # datasets reads a folder's files through a pattern
-            files = {split: str(Path(folder) / "**") for split, folder in files.items()}
         try:
             splits = datasets.load_dataset(builder, data_files=files)
         except datasets.exceptions.DatasetGenerationError as err:
@@ -40,19 +36,18 @@ def load_splits(config: TrainConfig, names: list[str] | None = None):
 
 
 def load_tables(config: TrainConfig, names: list[str] | None = None, columns: list[str] | None = None) -> dict:
-    """The splits `names` (default: train and eval) as pyarrow Tables of those of `columns` they have (None: all).
-    Local Parquet files are read by pyarrow, as datasets' Parquet builder does, without importing `datasets`
-    (docs/benchmark.md); other data through load_splits."""
+    """The splits `names` (default: train and eval) as pyarrow Tables of those of `columns` they have (None: all);
+    local Parquet files are read by pyarrow, as datasets' Parquet builder does, without importing `datasets`."""
     names = names or [config.train_split, config.eval_split]
-    local = local_files(config, names)
-    if local is None or local.builder != "parquet":
+    files, builder = local_files(config, names)
+    if builder != "parquet":
         splits = load_splits(config, names)
         return {name: splits[name].data.table.select(present(columns, splits[name].column_names)) for name in names}
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     tables = {}
-    for split, path in local.files.items():
+    for split, path in files.items():
         try:  # one file; read_table would import pyarrow.dataset and pandas
             with pq.ParquetFile(path) as parquet:
                 check_rows(parquet.metadata.num_rows, split)
@@ -67,22 +62,18 @@ def present(columns: list[str] | None, names: list[str]) -> list[str]:
     return names if columns is None else [name for name in columns if name in names]
 
 
-class LocalFiles(NamedTuple):
-    files: dict[str, str]  # split -> its file or folder
-    builder: str  # the `datasets` builder that reads them: parquet, csv, json, imagefolder
-
-
-def local_files(config: TrainConfig, names: list[str]) -> LocalFiles | None:
-    """The data files of splits `names` and their `datasets` builder; None for a Hub dataset."""
+def local_files(config: TrainConfig, names: list[str]) -> tuple[dict[str, str], str | None]:
+    """The data files of splits `names` (split -> file or folder) and the `datasets` builder that reads them (parquet,
+    csv, json, imagefolder); ({}, None) for a Hub dataset."""
     if not reads_local_files(config):
-        return None
+        return {}, None
     if missing := [name for name in names if name not in config.data_files]:
         raise missing_split(config, missing[0], list(config.data_files))
     files = {split: config.data_files[split] for split in names}
     builder = file_builder(files)
     if config.dataset_name not in (None, builder):
         raise UsageError(f"--dataset_name {config.dataset_name} does not read {builder} data_files; drop it")
-    return LocalFiles(files, builder)
+    return files, builder
 
 
 def unreadable(builder: str, cause: BaseException) -> UsageError:
@@ -97,8 +88,7 @@ def check_rows(rows: int, split: str) -> None:
 def column_tensor(table, name: str, split: str, missing_as_nan: bool = True):
     """Column `name` of a pyarrow Table as a tensor, as datasets' torch format gives it: integers int64, floats
     float32, booleans bool; lists of one length (nested too) a dimension each; missing floats NaN (unless
-    `missing_as_nan` is False: labels). Through DLPack: pyarrow's to_numpy() would import pandas. Other missing
-    values, lists of different lengths or values that are not numbers: a UsageError naming the column."""
+    `missing_as_nan` is False: labels). Through DLPack: pyarrow's to_numpy() would import pandas."""
     import pyarrow as pa
     import pyarrow.compute as pc
     import torch

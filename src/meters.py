@@ -19,10 +19,9 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 class LossWindow:
-    """The training losses since the last log line, one per micro-batch, kept on the device (no host sync per step),
-    averaged over all processes at log time; `values` and `first_step` are a resumed run's partial window. A NaN/inf
-    loss stops the run there, naming the step it first appeared at (before a checkpoint could save the damaged
-    weights), unless `skip_nonfinite`: then it is left out of the mean (the train loop skips its optimiser step)."""
+    """The micro-batch losses since the last log line (`values`, `first_step`: a resumed run's), kept on the device (no
+    host sync per step), averaged over processes at log time. A NaN/inf one stops the run there, naming its step, before
+    a checkpoint can save damaged weights; with `skip_nonfinite` it is left out (the loop skips its optimiser step)."""
 
     def __init__(self, accelerator, skip_nonfinite: bool, values: list[float], first_step: int):
         self.accelerator, self.accumulation = accelerator, accelerator.gradient_accumulation_steps
@@ -128,8 +127,7 @@ def local_bytes(tensor: torch.Tensor) -> int:
 
 
 class TrainMeters:
-    """What the loop records between two log steps, and a log step's `train/` metrics: the loss window, seconds per
-    step, throughput, memory, skipped steps, and once per start each process's bytes."""
+    """What the loop records between two log steps, and a log step's `train/` metrics."""
 
     def __init__(self, accelerator, task, model, optimizer: torch.optim.Optimizer, config: TrainConfig, state):
         self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
