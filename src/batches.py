@@ -77,8 +77,7 @@ class LoaderBatches:
 
 @runtime_checkable
 class Gatherable(Protocol):
-    """A dataset whose batch is one gather by a tensor of indices: what `default_collate` makes of the samples at
-    those indices. `TensorDataset`s qualify as they are (`gatherable`)."""
+    """A dataset whose batch at a tensor of indices is one gather: what `default_collate` makes of those samples."""
 
     def gather(self, indices: torch.Tensor): ...
     def to(self, device: torch.device) -> "Gatherable": ...  # the same rows, held on `device`

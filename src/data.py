@@ -63,8 +63,7 @@ def present(columns: list[str] | None, names: list[str]) -> list[str]:
 
 
 def local_files(config: TrainConfig, names: list[str]) -> tuple[dict[str, str], str | None]:
-    """The data files of splits `names` (split -> file or folder) and the `datasets` builder that reads them (parquet,
-    csv, json, imagefolder); ({}, None) for a Hub dataset."""
+    """The files of splits `names` (split -> file or folder) and their `datasets` builder; ({}, None) for the Hub."""
     if not reads_local_files(config):
         return {}, None
     if missing := [name for name in names if name not in config.data_files]:

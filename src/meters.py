@@ -24,14 +24,12 @@ class LossWindow:
     a checkpoint can save damaged weights; with `skip_nonfinite` it is left out (the loop skips its optimiser step)."""
 
     def __init__(self, accelerator, skip_nonfinite: bool, values: list[float], first_step: int):
-        self.accelerator, self.accumulation = accelerator, accelerator.gradient_accumulation_steps
-        self.skip_nonfinite = skip_nonfinite
-        # a list append costs less per step than writing into a tensor
+        self.accelerator, self.skip_nonfinite = accelerator, skip_nonfinite
         self.values = [torch.tensor(value, device=accelerator.device) for value in values]
         self.first_step = first_step  # the optimiser step the first value in the window belongs to
 
     def add(self, loss: torch.Tensor) -> None:
-        self.values.append(loss.detach())
+        self.values.append(loss.detach())  # a list append costs less per step than writing into a tensor
 
     def reduced(self) -> torch.Tensor:
         """The window's values, each averaged over processes; a non-finite one raises, or is left out when skipping."""
@@ -44,7 +42,7 @@ class LossWindow:
         if bool(finite.all()):
             return window
         if not self.skip_nonfinite:
-            bad_step = self.first_step + int((~finite).nonzero()[0]) // self.accumulation
+            bad_step = self.first_step + int((~finite).nonzero()[0]) // self.accelerator.gradient_accumulation_steps
             raise TrainingDiverged(
                 f"the training loss became NaN/inf at step {bad_step}; the last checkpoint before it is intact. "
                 "Lower --learning_rate, check the data, or pass --skip_nonfinite_batches true to skip such batches"
