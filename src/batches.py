@@ -1,9 +1,5 @@
-"""Training batches, a whole accumulation window at a time: from the prepared DataLoader (`LoaderBatches`) or, for
-data held in tensors, one gather per batch with the indices the loader's own batch sampler would yield
-(`IndexBatches`): the same batches, order, shards and padding, without the per-sample calls and stacking (about what
-a tiny model's whole step costs on a CPU: docs/benchmark.md). tests/test_index_batches.py and the 1-vs-N tests check
-that both give the same numbers; this module reads the structure of Accelerate's prepared loaders to do so.
-"""
+"""Training batches in whole accumulation windows: the prepared DataLoader's (`LoaderBatches`) or, for data held in
+tensors, the same batches each gathered at once by its batch sampler's indices (`IndexBatches`, docs/benchmark.md)."""
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -12,6 +8,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
+from accelerate.data_loader import SeedableRandomSampler
+from accelerate.utils import send_to_device
 from torch.utils.data import DataLoader, Dataset, IterableDataset, SequentialSampler, Subset, TensorDataset
 
 from src.config import TrainConfig
@@ -34,11 +32,9 @@ class DataPosition:
 
 
 def train_windows(source, accumulation: int, position: DataPosition) -> Iterator[list]:
-    """The micro-batches of each optimiser step, a whole accumulation window at a time, epoch after epoch, from
-    `position` on (a resumed epoch skips the batches already trained on). An epoch's trailing partial window is
-    skipped, so every step sees one global batch. Runs until the caller stops; `position` moves with it.
-    `source.epoch(epoch, skip)`: an epoch's batches, a function of the seed and the epoch (the seedable sampler, or a
-    stream's shuffle)."""
+    """Each optimiser step's micro-batches (a whole accumulation window), epoch after epoch from `position` on, which
+    moves with it; an epoch's trailing partial window is skipped, so every step sees one global batch.
+    `source.epoch(epoch, skip)`: an epoch's batches after the first `skip`, a function of the seed and the epoch."""
     while True:
         batches = iter(source.epoch(position.epoch, skip=position.steps * accumulation))
         while len(window := list(islice(batches, accumulation))) == accumulation:
@@ -58,9 +54,8 @@ def steps_per_epoch(loader: DataLoader, accumulation: int) -> int | None:
 
 @runtime_checkable
 class EpochDependent(Protocol):
-    """A dataset whose samples depend on the epoch, e.g. augmentation drawn from a generator seeded by the seed, the
-    epoch and the sample's index (the image_classification task). `LoaderBatches` sets the epoch before each epoch's
-    iterator exists, so the loader's worker processes, which copy the dataset as the iterator starts, see it. (A
+    """A dataset whose samples depend on the epoch (e.g. image_classification's seeded augmentation). `LoaderBatches`
+    sets the epoch before each epoch's iterator exists, so the workers, which copy the dataset as it starts, see it. (A
     prepared loader calls a dataset's set_epoch itself only where the sampler has none; the seedable sampler has.)"""
 
     def set_epoch(self, epoch: int) -> None: ...
@@ -82,13 +77,10 @@ class LoaderBatches:
 
 @runtime_checkable
 class Gatherable(Protocol):
-    """A dataset whose batch is one gather by a tensor of indices: what `default_collate` makes of the samples at
-    those indices. `TensorDataset`s qualify as they are (`gatherable`)."""
+    """A dataset whose batch at a tensor of indices is one gather: what `default_collate` makes of those samples."""
 
     def gather(self, indices: torch.Tensor): ...
-
     def to(self, device: torch.device) -> "Gatherable": ...  # the same rows, held on `device`
-
     def nbytes(self) -> int: ...  # the memory its rows take
 
 
@@ -134,14 +126,10 @@ def gatherable(dataset: Dataset) -> Gatherable | None:
 
 
 class EpochOrder:
-    """This process's sample indices for an epoch, in one tensor: those the prepared loader's batch sampler yields.
-
-    Drawn from the batch sampler they cost Python generator steps per sample; computed, one randperm and one gather. A
-    batch sampler (Accelerate's sharding and padding included) arranges the *positions* of its sampler's sequence the
-    same way every epoch, so they are read once from epoch 0, and an epoch's indices are its sequence at them. The
-    sequence is computed where the sampler's order is known (`known_sequence`) and checked against the batch sampler
-    on a second epoch at the start; any other sampler, or a failed check, is drawn from.
-    """
+    """This process's sample indices for an epoch, in one tensor: those the prepared loader's batch sampler yields,
+    which cost a Python generator step per sample to draw. A batch sampler (Accelerate's shards and padding included)
+    takes the same *positions* of its sampler's sequence every epoch: read once from epoch 0, they make an epoch one
+    randperm and one gather where the sequence is known (`known_sequence`) and gives epoch 1's indices; else drawn."""
 
     def __init__(self, loader: DataLoader):
         self.loader = loader
@@ -150,12 +138,10 @@ class EpochOrder:
         )  # a BatchSampler's, or the one inside Accelerate's BatchSamplerShard
         first = self.drawn(0)
         self.sizes = [len(indices) for indices in first]  # the same every epoch
-        self.positions = None
-        sequence = known_sequence(self.sampler, 0)
-        if sequence is not None:
-            self.positions = torch.argsort(sequence)[flatten(first)]  # argsort of a permutation: its inverse
-            if not torch.equal(self.indices(1), flatten(self.drawn(1))):
-                self.positions = None
+        sequence = known_sequence(self.sampler, 0)  # a permutation: its argsort is its inverse
+        self.positions = None if sequence is None else torch.argsort(sequence)[flatten(first)]
+        if self.positions is not None and not torch.equal(self.indices(1), flatten(self.drawn(1))):
+            self.positions = None
 
     def drawn(self, epoch: int) -> list[list[int]]:
         self.loader.set_epoch(epoch)  # the seedable sampler's permutation: a function of the seed and the epoch
@@ -171,15 +157,12 @@ class EpochOrder:
 def known_sequence(sampler, epoch: int) -> torch.Tensor | None:
     """The sampler's whole sequence for `epoch` as its own code computes it, or None: Accelerate's
     SeedableRandomSampler (one randperm, its generator seeded with its seed + the epoch), the SequentialSampler."""
-    from accelerate.data_loader import SeedableRandomSampler
-
     if type(sampler) is SequentialSampler:
         return torch.arange(len(sampler.data_source))
     if type(sampler) is SeedableRandomSampler and not sampler.replacement:
         size = len(sampler.data_source)
         if sampler.num_samples == size and (sampler.generator is None or sampler.generator.device.type == "cpu"):
-            generator = torch.Generator().manual_seed(sampler.initial_seed + epoch)
-            return torch.randperm(size, generator=generator)
+            return torch.randperm(size, generator=torch.Generator().manual_seed(sampler.initial_seed + epoch))
     return None
 
 
@@ -188,11 +171,9 @@ def flatten(batches: list[list[int]]) -> torch.Tensor:
 
 
 class IndexBatches:
-    """The same batches as `LoaderBatches`, each one gather by the indices of the prepared loader's batch sampler
-    (`EpochOrder`). On a GPU, rows that take at most a quarter of its free memory are moved there once. (The
-    DataLoader also draws a worker seed from torch's global RNG for each epoch's iterator; this path does not, so a
-    model with dropout draws other masks here than through the DataLoader.)
-    """
+    """The same batches as `LoaderBatches`, each one gather at `EpochOrder`'s indices; on a GPU, rows that take at most
+    a quarter of its free memory are moved there once. The DataLoader draws a worker seed from torch's global RNG each
+    epoch and this does not, so a model with dropout draws other masks here."""
 
     def __init__(self, loader: DataLoader, dataset: Gatherable, device: torch.device):
         self.order, self.device = EpochOrder(loader), device
@@ -202,12 +183,9 @@ class IndexBatches:
     def epoch(self, epoch: int, skip: int = 0) -> Iterator:
         sizes = self.order.sizes
         flat = self.order.indices(epoch)[sum(sizes[:skip]) :]  # a resumed epoch: from batch `skip` on
-        flat = flat.to(self.device) if self.on_device else flat
-        batches = map(self.dataset.gather, flat.split(sizes[skip:]))
         if self.on_device:
-            return batches
-        from accelerate.utils import send_to_device
-
+            return map(self.dataset.gather, flat.to(self.device).split(sizes[skip:]))
+        batches = map(self.dataset.gather, flat.split(sizes[skip:]))
         return (send_to_device(batch, self.device, non_blocking=True) for batch in batches)
 
 

@@ -1,11 +1,7 @@
-"""Reading the data a task trains on: `datasets.load_dataset` on local Parquet/CSV/JSON files, image folders or a Hub
-name (`load_splits`), or, for tasks whose data becomes tensors, pyarrow Tables without `datasets` (`load_tables`) and
-their columns as tensors (`column_tensor`). Each task (src/tasks/) turns the splits into torch Datasets;
-src/loaders.py makes the DataLoaders.
-"""
+"""Reading a task's data: `datasets.load_dataset` on local Parquet/CSV/JSON files, image folders or a Hub name
+(`load_splits`); for data that becomes tensors, pyarrow Tables without `datasets` (`load_tables`, `column_tensor`)."""
 
 from pathlib import Path
-from typing import NamedTuple
 
 from src.config import TrainConfig
 from src.errors import UsageError, one_line
@@ -17,22 +13,19 @@ LOCAL_BUILDERS = {*FILE_BUILDERS.values(), FOLDER_BUILDER}  # --dataset_name nam
 
 
 def load_splits(config: TrainConfig, names: list[str] | None = None):
-    """A `datasets.DatasetDict` holding the splits `names` (default: train and eval) of the data the config names.
-    Local files of other splits are not read: an evaluation without training never touches the train split."""
+    """A `datasets.DatasetDict` of the splits `names` (default: train and eval); other splits' files are not read."""
     import datasets
 
     datasets.disable_progress_bars()
     names = names or [config.train_split, config.eval_split]
-    local = local_files(config, names)
-    if local is None:
+    files, builder = local_files(config, names)
+    if builder == FOLDER_BUILDER:  # datasets reads a folder's files through a pattern
+        files = {split: str(Path(folder) / "**") for split, folder in files.items()}
+    if builder is None:
         splits = load_hub_dataset(config)
-        missing = [name for name in names if name not in splits]
-        if missing:
+        if missing := [name for name in names if name not in splits]:
             raise missing_split(config, missing[0], list(splits))
-    else:  # local files: only those of the named splits are read
-        files, builder = local
-        if builder == FOLDER_BUILDER:  # datasets reads a folder's files through a pattern
-            files = {split: str(Path(folder) / "**") for split, folder in files.items()}
+    else:
         try:
             splits = datasets.load_dataset(builder, data_files=files)
         except datasets.exceptions.DatasetGenerationError as err:
@@ -43,20 +36,18 @@ def load_splits(config: TrainConfig, names: list[str] | None = None):
 
 
 def load_tables(config: TrainConfig, names: list[str] | None = None, columns: list[str] | None = None) -> dict:
-    """The splits `names` (default: train and eval) as pyarrow Tables, for tasks that turn columns into tensors
-    (`column_tensor`); `columns`: only those of them the split has. Local Parquet files are read by pyarrow itself, as
-    datasets' Parquet builder does, without importing `datasets` (docs/benchmark.md); all other data through
-    load_splits."""
+    """The splits `names` (default: train and eval) as pyarrow Tables of those of `columns` they have (None: all);
+    local Parquet files are read by pyarrow, as datasets' Parquet builder does, without importing `datasets`."""
     names = names or [config.train_split, config.eval_split]
-    local = local_files(config, names)
-    if local is None or local.builder != "parquet":
+    files, builder = local_files(config, names)
+    if builder != "parquet":
         splits = load_splits(config, names)
         return {name: splits[name].data.table.select(present(columns, splits[name].column_names)) for name in names}
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     tables = {}
-    for split, path in local.files.items():
+    for split, path in files.items():
         try:  # one file; read_table would import pyarrow.dataset and pandas
             with pq.ParquetFile(path) as parquet:
                 check_rows(parquet.metadata.num_rows, split)
@@ -71,24 +62,17 @@ def present(columns: list[str] | None, names: list[str]) -> list[str]:
     return names if columns is None else [name for name in columns if name in names]
 
 
-class LocalFiles(NamedTuple):
-    files: dict[str, str]  # split -> its file or folder
-    builder: str  # the `datasets` builder that reads them: parquet, csv, json, imagefolder
-
-
-def local_files(config: TrainConfig, names: list[str]) -> LocalFiles | None:
-    """The data files of splits `names` and their `datasets` builder; None for a Hub dataset. A split the files lack,
-    a missing file or a --dataset_name that doesn't read them: a UsageError."""
+def local_files(config: TrainConfig, names: list[str]) -> tuple[dict[str, str], str | None]:
+    """The files of splits `names` (split -> file or folder) and their `datasets` builder; ({}, None) for the Hub."""
     if not reads_local_files(config):
-        return None
-    missing = [name for name in names if name not in config.data_files]
-    if missing:
+        return {}, None
+    if missing := [name for name in names if name not in config.data_files]:
         raise missing_split(config, missing[0], list(config.data_files))
     files = {split: config.data_files[split] for split in names}
     builder = file_builder(files)
     if config.dataset_name not in (None, builder):
         raise UsageError(f"--dataset_name {config.dataset_name} does not read {builder} data_files; drop it")
-    return LocalFiles(files, builder)
+    return files, builder
 
 
 def unreadable(builder: str, cause: BaseException) -> UsageError:
@@ -103,8 +87,7 @@ def check_rows(rows: int, split: str) -> None:
 def column_tensor(table, name: str, split: str, missing_as_nan: bool = True):
     """Column `name` of a pyarrow Table as a tensor, as datasets' torch format gives it: integers int64, floats
     float32, booleans bool; lists of one length (nested too) a dimension each; missing floats NaN (unless
-    `missing_as_nan` is False: labels). Through DLPack: pyarrow's to_numpy() would import pandas. Other missing
-    values, lists of different lengths or values that are not numbers: a UsageError naming the column."""
+    `missing_as_nan` is False: labels). Through DLPack: pyarrow's to_numpy() would import pandas."""
     import pyarrow as pa
     import pyarrow.compute as pc
     import torch
@@ -144,7 +127,7 @@ def reads_local_files(config: TrainConfig) -> bool:
 
 
 def no_data(config: TrainConfig) -> UsageError:
-    """Asked for data files or a dataset, and the config names neither (the task has no default_data_files)."""
+    """The config names neither data files nor a dataset (and the task has no default_data_files)."""
     return UsageError(f"no data for --task {config.task}: set --data_files (local files) or --dataset_name")
 
 
@@ -152,41 +135,31 @@ def has_split(config: TrainConfig, name: str) -> bool:
     """Whether the data holds split `name` (the optional test split); no data named: none (the task's own data)."""
     if not (config.data_files or config.dataset_name):
         return False
-    if not reads_local_files(config):
-        return name in load_hub_dataset(config)
-    return name in config.data_files
+    return name in (config.data_files if reads_local_files(config) else load_hub_dataset(config))
 
 
 def missing_split(config: TrainConfig, name: str, available: list[str]) -> UsageError:
     """The error for a split the data lacks (read in full or streamed), naming the flag that fixes it."""
+    if name == config.train_split:
+        flag = "--train_split"
+    elif name == config.eval_split:
+        flag = "--eval_split" if config.do_train else "--eval_split (or --do_eval false)"
+    else:
+        flag = "--test_split"
     where = "set" if config.dataset_name else "add it to --data_files or set"
-    flag = split_flag(config, name)
     return UsageError(f"the data has no split {name!r} (it has {', '.join(available)}); {where} {flag}")
 
 
-def split_flag(config: TrainConfig, split: str) -> str:
-    if split == config.train_split:
-        return "--train_split"
-    if split == config.eval_split:
-        return "--eval_split (or --do_eval false)" if not config.do_train else "--eval_split"
-    return "--test_split"
-
-
 def file_builder(data_files: dict[str, str]) -> str:
-    """The `datasets` builder for local files, from their extension (a folder: imagefolder); all splits must share
-    one format."""
+    """The `datasets` builder for local files, from their extension (a folder: imagefolder); one for all splits."""
     suffixes = set()
     for split, path in data_files.items():
-        if Path(path).is_dir():
-            suffixes.add("a folder")
-            continue
-        if not Path(path).is_file():
+        if not (Path(path).is_dir() or Path(path).is_file()):
             raise UsageError(
                 f"data file for split {split!r} not found: {path} (set --data_files or run from the repo root)"
             )
-        suffixes.add(Path(path).suffix.lower())
-    unsupported = suffixes - {*FILE_BUILDERS, "a folder"}
-    if unsupported or len(suffixes) != 1:
+        suffixes.add("a folder" if Path(path).is_dir() else Path(path).suffix.lower())
+    if len(suffixes) != 1 or not suffixes <= {*FILE_BUILDERS, "a folder"}:
         raise UsageError(
             f"data_files must all be one of {', '.join(FILE_BUILDERS)} or all folders of images "
             f"(got {', '.join(sorted(suffixes))})"
@@ -199,15 +172,13 @@ def load_hub_dataset(config: TrainConfig):
     """Fail in a second, not after ~23 s of retries, when the Hub can't be reached and nothing is cached."""
     import datasets
 
-    name = config.dataset_name
-    check_hub_repo(name, "dataset", flag="--dataset_name", instead="use --data_files")
-    return datasets.load_dataset(name, config.dataset_config_name)
+    check_hub_repo(config.dataset_name, "dataset", flag="--dataset_name", instead="use --data_files")
+    return datasets.load_dataset(config.dataset_name, config.dataset_config_name)
 
 
 def check_columns(split, wanted: list[str], flags: str) -> None:
     """A UsageError naming the absent columns, the ones the data has and the flags that choose them."""
-    missing = set(wanted) - set(split.column_names)
-    if missing:
+    if missing := set(wanted) - set(split.column_names):
         raise UsageError(
             f"the data has no column {', '.join(sorted(missing))} (it has {', '.join(split.column_names)}); set {flags}"
         )

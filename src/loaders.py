@@ -1,9 +1,5 @@
-"""DataLoaders from the task's datasets: train, eval, test and predict, checked before training starts.
-
-Accelerate shards them across processes later, in `accelerator.prepare`; nothing here knows about ranks. pin_memory
-(for a GPU): batches are collated into page-locked memory, which the GPU copies from without the host waiting
-(Accelerate's non_blocking transfer, src/distributed.py).
-"""
+"""The DataLoaders (train, eval, test, predict), checked before training; `accelerator.prepare` shards them later.
+pin_memory (for a GPU): batches collated into page-locked memory, which the GPU copies without the host waiting."""
 
 import logging
 
@@ -23,10 +19,8 @@ def global_batch(config: TrainConfig, accelerator) -> int:
 
 
 def build_loaders(task, config: TrainConfig, accelerator, training: bool, pin_memory: bool = False):
-    """(train loader, eval loader) before `prepare`: the train loader when training (a feature's own, e.g. a stream
-    with --streaming, else over the task's datasets in memory), the eval loader when training or evaluating. Data in
-    memory is checked first: at least one global batch, fewer processes than eval samples, a first batch that
-    collates."""
+    """(train loader, eval loader) before `prepare`: the train loader when training (a feature's own, e.g. a stream,
+    or one over the task's datasets, checked first), the eval loader when training or evaluating."""
     train_loader = features.installed().train_loader(task, config, pin_memory) if training else None
     if training and train_loader is None:
         train_set, eval_set = task.build_datasets()
@@ -85,8 +79,7 @@ def predicted_split(config: TrainConfig) -> str | None:
 
 
 def build_predict_loader(task, config: TrainConfig, split: str | None):
-    """The task's prediction inputs of `split` (unlabelled: prompts for a language model, not its eval blocks), one
-    per input row, in order; None without a split to predict."""
+    """The task's unlabelled inputs of `split` (a language model's prompts), one per row, in order; None without one."""
     if split is None:
         return None
     inputs = task.build_eval_dataset(split, labelled=False)

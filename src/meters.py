@@ -1,6 +1,5 @@
 """What the loop measures: the loss window, the step timer, throughput and MFU, memory. `TrainMeters` holds them and
-makes a log step's metrics; nothing here prints or writes them (src/tracking.py does).
-"""
+makes a log step's metrics; src/tracking.py prints and writes them."""
 
 import contextlib
 import resource
@@ -20,19 +19,17 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 class LossWindow:
-    """The training losses since the last log line, one per micro-batch, kept on the device (no host sync per step),
-    averaged over all processes at log time. A NaN/inf loss stops the run there, naming the step it first appeared at
-    (before a checkpoint could save the damaged weights), unless `skip_nonfinite`: then it is left out of the mean
-    (the train loop skips its optimiser step).
-    """
+    """The micro-batch losses since the last log line (`values`, `first_step`: a resumed run's), kept on the device (no
+    host sync per step), averaged over processes at log time. A NaN/inf one stops the run there, naming its step, before
+    a checkpoint can save damaged weights; with `skip_nonfinite` it is left out (the loop skips its optimiser step)."""
 
-    def __init__(self, accelerator, accumulation: int, skip_nonfinite: bool):
-        self.accelerator, self.accumulation, self.skip_nonfinite = accelerator, accumulation, skip_nonfinite
-        self.values: list[torch.Tensor] = []  # a list append costs less per step than writing into a tensor
-        self.first_step = 1  # the optimiser step the first value in the window belongs to
+    def __init__(self, accelerator, skip_nonfinite: bool, values: list[float], first_step: int):
+        self.accelerator, self.skip_nonfinite = accelerator, skip_nonfinite
+        self.values = [torch.tensor(value, device=accelerator.device) for value in values]
+        self.first_step = first_step  # the optimiser step the first value in the window belongs to
 
     def add(self, loss: torch.Tensor) -> None:
-        self.values.append(loss.detach())
+        self.values.append(loss.detach())  # a list append costs less per step than writing into a tensor
 
     def reduced(self) -> torch.Tensor:
         """The window's values, each averaged over processes; a non-finite one raises, or is left out when skipping."""
@@ -45,7 +42,7 @@ class LossWindow:
         if bool(finite.all()):
             return window
         if not self.skip_nonfinite:
-            bad_step = self.first_step + int((~finite).nonzero()[0]) // self.accumulation
+            bad_step = self.first_step + int((~finite).nonzero()[0]) // self.accelerator.gradient_accumulation_steps
             raise TrainingDiverged(
                 f"the training loss became NaN/inf at step {bad_step}; the last checkpoint before it is intact. "
                 "Lower --learning_rate, check the data, or pass --skip_nonfinite_batches true to skip such batches"
@@ -58,19 +55,10 @@ class LossWindow:
         self.values, self.first_step = [], next_step
         return window.mean().item() if window.numel() else float("nan")
 
-    def state(self) -> list[float]:
-        return self.reduced().tolist()
-
-    def load(self, values: list[float], first_step: int) -> None:
-        device = self.accelerator.device
-        self.values = [torch.tensor(value, device=device) for value in values]
-        self.first_step = first_step
-
 
 class StepTimer:
     """Seconds per optimiser step since `restart(step)`; evaluation and checkpoints run inside `paused()`. It counts
-    its own steps: after a resume the loss window holds steps trained before the restart, which the clock did not see.
-    """
+    its own steps: after a resume the loss window holds steps trained before the restart, which the clock didn't see."""
 
     def __init__(self, step: int):
         self.restart(step)
@@ -125,32 +113,6 @@ def throughput_metrics(task, accelerator):
     return metrics
 
 
-class ShardMemory:
-    """The proof that a strategy shards: each process's parameter and optimiser-state bytes, measured on the prepared
-    objects once per start, after the first optimiser step (a torch optimiser's state exists only from then).
-    Logged as the largest over the processes: what has to fit on every device."""
-
-    def __init__(self, accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-        self.accelerator, self.model, self.optimizer, self.logged = accelerator, model, optimizer, False
-
-    def metrics(self) -> dict:
-        """Call at the same step on every process (it gathers); {} after the first call."""
-        if self.logged:
-            return {}
-        self.logged = True
-        params = sum(map(local_bytes, self.model.parameters()))
-        states = sum(map(local_bytes, optimizer_state(self.optimizer)))
-        sizes = torch.tensor([[params, states]], dtype=torch.float64, device=self.accelerator.device)
-        largest = self.accelerator.gather(sizes).amax(dim=0).tolist()
-        return {"memory/param_bytes": int(largest[0]), "memory/optimizer_state_bytes": int(largest[1])}
-
-
-def optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The state tensors of the torch optimizer handed to `prepare`: DeepSpeed's ZeRO optimizer and FSDP2 keep this
-    process's partition in it."""
-    return [value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)]
-
-
 def local_bytes(tensor: torch.Tensor) -> int:
     """Bytes this process holds of a tensor: a DTensor's local shard, a ZeRO-3 parameter's partition (`ds_tensor`;
     its `.data` is empty between gathers), else the tensor."""
@@ -163,17 +125,16 @@ def local_bytes(tensor: torch.Tensor) -> int:
 
 
 class TrainMeters:
-    """What the loop records between two log steps, and a log step's `train/` metrics: the loss window, seconds per
-    step, throughput, memory, skipped steps, and once per start each process's bytes."""
+    """What the loop records between two log steps, and a log step's `train/` metrics."""
 
     def __init__(self, accelerator, task, model, optimizer: torch.optim.Optimizer, config: TrainConfig, state):
-        self.accelerator, self.global_batch = accelerator, state.global_batch
-        self.losses = LossWindow(accelerator, accelerator.gradient_accumulation_steps, config.skip_nonfinite_batches)
-        self.losses.load(state.loss_window, state.window_first_step)  # a resumed run's partial window
+        self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
+        self.global_batch = state.global_batch
+        self.losses = LossWindow(accelerator, config.skip_nonfinite_batches, state.loss_window, state.window_first_step)
         self.timer = StepTimer(state.step)
         self.throughput = throughput_metrics(task, accelerator)  # tokens/s and MFU for tasks that count tokens
-        self.shard_memory = ShardMemory(accelerator, model, optimizer)
         self.skipped_steps = 0 if config.skip_nonfinite_batches else None  # --skip_nonfinite_batches only
+        self.shard_bytes_logged = False
 
     def log_step(self, step: int, lr: float, grad_norm: torch.Tensor | None, epoch: float) -> dict:
         """The metrics of log step `step`; the window and the timer start again."""
@@ -190,9 +151,25 @@ class TrainMeters:
             "train/peak_memory_gb": peak_memory_gb(self.accelerator.device),
             "epoch": epoch,
             **({"train/skipped_steps": self.skipped_steps} if self.skipped_steps is not None else {}),
-            **self.shard_memory.metrics(),
+            **self.shard_bytes(),
         }
+
+    def shard_bytes(self) -> dict:
+        """The proof that a strategy shards: each process's parameter and optimiser-state bytes, the largest over the
+        processes (what has to fit on every device), measured on the prepared objects at a start's first log step (a
+        torch optimiser's state exists only after its first step); {} after it. Every process calls it (it gathers)."""
+        if self.shard_bytes_logged:
+            return {}
+        self.shard_bytes_logged = True
+        # the torch optimizer handed to `prepare`: DeepSpeed's ZeRO optimizer and FSDP2 keep this process's part in it
+        states = [
+            value for state in self.optimizer.state.values() for value in state.values() if torch.is_tensor(value)
+        ]
+        held = [sum(map(local_bytes, self.model.parameters())), sum(map(local_bytes, states))]
+        sizes = torch.tensor([held], dtype=torch.float64, device=self.accelerator.device)
+        largest = self.accelerator.gather(sizes).amax(dim=0).tolist()
+        return {"memory/param_bytes": int(largest[0]), "memory/optimizer_state_bytes": int(largest[1])}
 
     def save_to(self, state) -> None:
         """The partial loss window into the trainer state, for a checkpoint (a NaN in it stops the run here)."""
-        state.loss_window, state.window_first_step = self.losses.state(), self.losses.first_step
+        state.loss_window, state.window_first_step = self.losses.reduced().tolist(), self.losses.first_step

@@ -1,4 +1,5 @@
-"""What the loop measures (src/meters.py): throughput (tokens/s, MFU only on GPUs with a known peak), the step timer."""
+"""What the loop measures (src/meters.py): throughput (tokens/s, MFU only on GPUs with a known peak), the step timer,
+the loss window."""
 
 from types import SimpleNamespace
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 
 from src import meters
+from src.errors import TrainingDiverged
 
 
 def lm_like_task(tokens_per_sample=128, flops_per_token=6e6):
@@ -50,3 +52,17 @@ def test_step_timer_counts_only_the_steps_it_timed(monkeypatch):
     with timer.paused():  # 60 -> 61 s: an evaluation, not counted
         pass
     assert timer.seconds_per_step(120) == pytest.approx((62.0 - 53.0 - 1.0) / 10)
+
+
+def test_a_nan_loss_names_the_optimiser_step_it_first_appeared_in():
+    """A window resumed at step 5 with 3 losses, 2 micro-batches a step, its 4th loss NaN: step 6 is named."""
+    accelerator = SimpleNamespace(device=torch.device("cpu"), num_processes=1, gradient_accumulation_steps=2)
+    for skip_nonfinite in (False, True):
+        window = meters.LossWindow(accelerator, skip_nonfinite, values=[1.0, 2.0, 3.0], first_step=5)
+        for loss in (float("nan"), 4.0, 5.0):
+            window.add(torch.tensor(loss))
+        if skip_nonfinite:  # left out of the mean
+            assert window.mean(next_step=8) == pytest.approx(3.0)
+        else:
+            with pytest.raises(TrainingDiverged, match="NaN/inf at step 6;"):
+                window.mean(next_step=8)
