@@ -16,11 +16,10 @@ from src.run_dir import CONFIG_FILE, MODEL_DIR, STATE_FILE
 
 
 def save_final_model(accelerator, task, model, output_dir: Path) -> Path:
-    """The task's format (safetensors by default), gathered from every process (FSDP/DeepSpeed shards included)."""
-    model_dir = output_dir / MODEL_DIR
-    export_model(accelerator, task, model, model_dir)
+    """export_model into output_dir/model/, which every process then waits for: FSDP/DeepSpeed shards included."""
+    export_model(accelerator, task, model, output_dir / MODEL_DIR)
     accelerator.wait_for_everyone()
-    return model_dir
+    return output_dir / MODEL_DIR
 
 
 def export_model(accelerator, task, model, directory: Path) -> None:
@@ -52,9 +51,9 @@ def saved_labels(directory: str | Path) -> list[str] | None:
     return list(json.loads(path.read_text())["id2label"].values()) if path.is_file() else None
 
 
-def load_weights(model, path: str) -> None:
+def load_weights(model, path: str):
     """The weights in a saved model folder (model.safetensors, or shards with an index) or a checkpoint, into
-    `model`; every parameter must be there with its shape (a different --model or size is one clear line)."""
+    `model`, returned; every parameter must be there with its shape (a different --model or size is one clear line)."""
     from accelerate.utils import load_checkpoint_in_model
 
     folder = saved_model_dir(path)
@@ -65,6 +64,7 @@ def load_weights(model, path: str) -> None:
             f"--model_name_or_path {path} does not hold weights for this model "
             f"(same --task and options as when it was trained?): {one_line(err)[:300]}"
         ) from err
+    return model
 
 
 def saved_model_dir(path: str) -> Path:

@@ -20,7 +20,6 @@ class Metric(Protocol):
     results of everything added since the last compute(), which starts the next evaluation empty."""
 
     def add_batch(self, *, predictions, references) -> None: ...
-
     def compute(self) -> dict: ...
 
 
@@ -28,8 +27,7 @@ class Accuracy:
     """The fraction of predictions equal to their reference since the last compute(). Built in: a run that needs no
     other metric never imports `evaluate` (nor `datasets`: ~0.7 s to the first step, ~50 MB, docs/benchmark.md)."""
 
-    def __init__(self):
-        self.correct, self.total = 0, 0
+    correct = total = 0  # since the last compute()
 
     def add_batch(self, *, predictions, references) -> None:
         predictions, references = np.asarray(predictions), np.asarray(references)
@@ -50,18 +48,15 @@ class Accuracy:
 BUILT_IN = {"accuracy": Accuracy}
 
 
-class Metrics:
+class Metrics(list):
     """Several metrics as one: each gets every batch, compute() merges their results."""
 
-    def __init__(self, metrics: list[Metric]):
-        self.metrics = metrics
-
     def add_batch(self, *, predictions, references) -> None:
-        for metric in self.metrics:
+        for metric in self:
             metric.add_batch(predictions=predictions, references=references)
 
     def compute(self) -> dict:
-        results = [metric.compute() for metric in self.metrics]
+        results = [metric.compute() for metric in self]
         twice = sorted(name for name, count in Counter(name for r in results for name in r).items() if count > 1)
         if twice:
             raise TaskFailed(f"two metrics both give {', '.join(twice)}; keep one of them in --metrics")

@@ -2,8 +2,7 @@
 
 A feature reaches a run through the hooks of `Feature` (each does nothing unless overridden) and brings its own
 options: an `Options` dataclass whose fields join the command line, the YAML config and config.yaml, as a task's do.
-The core never imports a feature by name, so deleting a feature's package (and what features.yaml lists with it)
-removes it, flags and all.
+The core never imports a feature by name: deleting its package (and its features.yaml paths) removes it, flags and all.
 
     class MirrorFeature(Feature):
         @dataclass

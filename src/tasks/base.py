@@ -59,8 +59,7 @@ class Task:
     default_data_files: ClassVar[dict[str, str] | None] = None  # used when neither data_files nor dataset_name is set
 
     def __init__(self, config: TrainConfig, options=None):
-        self.config = config
-        self.options = self.Options() if options is None else options
+        self.config, self.options = config, self.Options() if options is None else options
 
     # --- must ---
     def build_datasets(self) -> tuple[Dataset, Dataset]:
@@ -107,9 +106,7 @@ class Task:
     def load_model(self, path: str) -> nn.Module:
         """`--model_name_or_path`: build_model() with the weights save_model() wrote (a run's model/ folder) or a
         checkpoint holds (checkpoints/step_<N>/). Hugging Face tasks load with from_pretrained in build_model."""
-        model = self.build_model()
-        load_weights(model, path)
-        return model
+        return load_weights(self.build_model(), path)
 
     def predict(self, model: nn.Module, batch) -> dict[str, torch.Tensor]:
         """Per-sample tensors (first dimension = the batch) for predictions.jsonl, gathered across processes in input
@@ -147,9 +144,8 @@ class Task:
         return None
 
     def save_model(self, accelerator, model: nn.Module, directory: Path) -> None:
-        """The final model (and, with export_checkpoints, each checkpoint's), called on every process (FSDP and
-        DeepSpeed gather shards from all of them). Default: `model.safetensors`; a Hugging Face task calls
-        `save_pretrained` here."""
+        """The final model (with export_checkpoints, each checkpoint's too), on every process (FSDP and DeepSpeed
+        gather shards from all of them). Default: `model.safetensors`; a Hugging Face task calls `save_pretrained`."""
         accelerator.save_model(model, directory, safe_serialization=True)
 
 
@@ -163,13 +159,11 @@ def task_errors(task: Task):
         import torch.distributed as dist
         from accelerate.utils.memory import should_reduce_batch_size
 
-        not_the_task = (RunStopped, OSError, getattr(dist, "DistError", OSError))  # no DistError: torch without dist
-        if isinstance(err, not_the_task) or should_reduce_batch_size(err):
-            raise  # a full disk, a lost peer, out of memory (which --auto_find_batch_size handles)
         method_code = {getattr(getattr(type(task), name, None), "__code__", None) for name in dir(type(task))}
         frame = next((f for f, _ in walk_tb(err.__traceback__) if f.f_code in method_code), None)
-        if frame is None:
-            raise
+        not_the_task = (RunStopped, OSError, getattr(dist, "DistError", OSError))  # no DistError: torch without dist
+        if frame is None or isinstance(err, not_the_task) or should_reduce_batch_size(err):
+            raise  # not in the task's code; a full disk, a lost peer, out of memory (--auto_find_batch_size's)
         batch = frame.f_locals.get("batch")
         on = f" on a batch {describe(batch)}" if batch is not None else ""
         raise TaskFailed(
