@@ -49,14 +49,12 @@ def task_class(name: str) -> type[Task]:
 
 def import_module(path: str):
     """The module, or None if `path` itself does not exist (an error inside an existing module propagates)."""
-    if not path:
-        return None
     try:
-        return importlib.import_module(path)
+        return importlib.import_module(path) if path else None
     except ModuleNotFoundError as err:
-        if err.name and (path == err.name or path.startswith(err.name + ".")):
-            return None
-        raise
+        if not (err.name and (path + ".").startswith(err.name + ".")):  # not `path` or a package above it
+            raise
+    return None
 
 
 def task_name(name: str) -> str:

@@ -12,7 +12,7 @@
         def loss(self, model, batch): ...   # a scalar: the batch's mean loss
         def eval_outputs(self, model, batch): ...   # per-sample tensors, see below
 
-The "may" methods below (eval-only and test splits, streaming, predictions, saving, ...) have defaults.
+The "may" methods below have defaults, or are needed only where used (eval-only runs, test splits, streaming, predict).
 A task is built once per run, so it can keep state (a tokenizer, the number of features) on `self`.
 Built to subclass: `ClassificationTask` (src/tasks/classification.py: the loss and eval outputs of `(inputs, labels)`
 batches and logits), `HuggingFaceTask` (src/features/hf/base.py: loads and saves a transformers model and tokenizer).
