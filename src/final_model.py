@@ -16,7 +16,7 @@ from src.run_dir import CONFIG_FILE, MODEL_DIR, STATE_FILE
 
 
 def save_final_model(accelerator, task, model, output_dir: Path) -> Path:
-    """export_model into output_dir/model/, which every process then waits for: FSDP/DeepSpeed shards included."""
+    """export_model into output_dir/model/ (FSDP/DeepSpeed shards gathered from every process), then all wait for it."""
     export_model(accelerator, task, model, output_dir / MODEL_DIR)
     accelerator.wait_for_everyone()
     return output_dir / MODEL_DIR
