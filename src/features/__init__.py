@@ -66,28 +66,38 @@ class Feature:
         """After model/, the test split and the predictions are written, on every process."""
 
 
-def in_turn(hook: str):
-    """A Features method that calls each feature's `hook`, in order."""
-
-    def call_each(features, *args) -> None:
-        for feature in features:
-            getattr(feature, hook)(*args)
-
-    return call_each
-
-
 class Features(tuple):
     """Every installed feature, called as one: `features.on_checkpoint(...)` calls each feature's hook in turn;
     `accelerator_options` and `train_loader` give the first answer that is not None, `adapt_model` passes the model
     through each."""
 
-    check_launch = in_turn("check_launch")
-    check = in_turn("check")
-    before_resume = in_turn("before_resume")
-    on_start = in_turn("on_start")
-    on_step = in_turn("on_step")
-    on_checkpoint = in_turn("on_checkpoint")
-    on_end = in_turn("on_end")
+    def check_launch(self, use_cpu: bool, config) -> None:
+        for feature in self:
+            feature.check_launch(use_cpu, config)
+
+    def check(self, config) -> None:
+        for feature in self:
+            feature.check(config)
+
+    def before_resume(self, accelerator, config) -> None:
+        for feature in self:
+            feature.before_resume(accelerator, config)
+
+    def on_start(self, accelerator, config, resumed: bool) -> None:
+        for feature in self:
+            feature.on_start(accelerator, config, resumed)
+
+    def on_step(self, accelerator, config, step: int) -> None:
+        for feature in self:
+            feature.on_step(accelerator, config, step)
+
+    def on_checkpoint(self, accelerator, config, checkpoint: Path, state) -> None:
+        for feature in self:
+            feature.on_checkpoint(accelerator, config, checkpoint, state)
+
+    def on_end(self, accelerator, config, model_dir: Path) -> None:
+        for feature in self:
+            feature.on_end(accelerator, config, model_dir)
 
     def accelerator_options(self, use_cpu: bool, config) -> dict | None:
         return next((o for f in self if (o := f.accelerator_options(use_cpu, config)) is not None), None)
