@@ -1,9 +1,10 @@
 """Keep the best, stop early: both watch one eval metric for improvements, at every evaluation.
 
-`--metric_for_best_model`: a new best evaluation is checkpointed, rotation never removes that checkpoint, and
-`--load_best_model_at_end` loads it. `--early_stopping_patience N`: training stops after N evaluations without an
-improvement of `--early_stopping_metric`. Every process sees the same gathered metrics, so all decide the same at the
-same step without a collective; the counters live in the trainer state, so a resumed run continues them.
+`--metric_for_best_model` (`--greater_is_better`): a new best evaluation is checkpointed, rotation never removes that
+checkpoint, and `--load_best_model_at_end` loads it. `--early_stopping_patience N`: training stops after N evaluations
+without an improvement of `--early_stopping_metric` (`--early_stopping_mode`). Every process sees the same gathered
+metrics, so all decide the same at the same step without a collective; the counters live in the trainer state, so a
+resumed run continues them.
 """
 
 import logging
@@ -16,42 +17,36 @@ logger = logging.getLogger(__name__)
 
 
 class BestEvaluation:
-    """After each evaluation, `update` says whether it is a new best model and whether to stop early: two watches,
-    `--metric_for_best_model` / `--greater_is_better` and `--early_stopping_metric` / `--early_stopping_mode`."""
+    """After each evaluation, `update` says whether it is a new best model and whether to stop early."""
 
     def __init__(self, config: TrainConfig, state: TrainerState):
-        self.best_model_metric, self.greater_is_better = config.metric_for_best_model, config.greater_is_better
-        self.stop_metric, self.stop_greater = config.early_stopping_metric, config.early_stopping_mode == "max"
-        self.patience, self.state = config.early_stopping_patience, state
+        self.config, self.state = config, state
 
     def update(self, metrics: dict, step: int) -> tuple[bool, bool]:
         """(a new best model: checkpoint it, stop training here)."""
-        state, new_best, stop = self.state, False, False
-        if self.best_model_metric:
-            value = watched(metrics, self.best_model_metric, "--metric_for_best_model")
-            if improves(value, state.best_model_metric, self.greater_is_better):
+        config, state, new_best, stop = self.config, self.state, False, False
+        if config.metric_for_best_model:
+            value = watched(metrics, config.metric_for_best_model, "--metric_for_best_model")
+            if improves(value, state.best_model_metric, config.greater_is_better):
                 state.best_model_step, state.best_model_metric, new_best = step, value, True
-        if self.patience:
-            value = watched(metrics, self.stop_metric, "--early_stopping_metric")
-            if improves(value, state.best_metric, self.stop_greater):
+        if config.early_stopping_patience:
+            value = watched(metrics, config.early_stopping_metric, "--early_stopping_metric")
+            if improves(value, state.best_metric, config.early_stopping_mode == "max"):
                 state.best_metric, state.evals_without_improvement = value, 0
             else:
                 state.evals_without_improvement += 1
-                stop = state.evals_without_improvement >= self.patience
+                stop = state.evals_without_improvement >= config.early_stopping_patience
         if stop:
             logger.info(
                 "early stopping at step %d: %s has not improved on %.4g for %d evaluations",
-                step,
-                self.stop_metric,
-                state.best_metric,
-                self.patience,
+                *(step, config.early_stopping_metric, state.best_metric, config.early_stopping_patience),
             )
         return new_best, stop
 
     def summary(self) -> dict:
         """What `--load_best_model_at_end` logs: the best model's step and metric."""
         step, value = self.state.best_model_step, self.state.best_model_metric
-        return {"best_model/step": step, f"best_model/{self.best_model_metric}": value}
+        return {"best_model/step": step, f"best_model/{self.config.metric_for_best_model}": value}
 
 
 def improves(value: float, best: float | None, greater_is_better: bool) -> bool:

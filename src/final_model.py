@@ -16,16 +16,16 @@ from src.run_dir import CONFIG_FILE, MODEL_DIR, STATE_FILE
 
 
 def save_final_model(accelerator, task, model, output_dir: Path) -> Path:
-    """The task's format (safetensors by default), gathered from every process (FSDP/DeepSpeed shards included)."""
-    model_dir = output_dir / MODEL_DIR
-    export_model(accelerator, task, model, model_dir)
+    """export_model into output_dir/model/ (FSDP/DeepSpeed shards gathered from every process), then all wait for it."""
+    export_model(accelerator, task, model, output_dir / MODEL_DIR)
     accelerator.wait_for_everyone()
-    return model_dir
+    return output_dir / MODEL_DIR
 
 
 def export_model(accelerator, task, model, directory: Path) -> None:
     """task.save_model into `directory` (model/, or a checkpoint's model/). Unless the run is DeepSpeed, deepspeed
-    looks uninstalled meanwhile: Accelerate's unwrap_model would import it only to find no DeepSpeedEngine."""
+    looks uninstalled meanwhile: Accelerate's unwrap_model (in save_model and get_state_dict) would import it (~1 s and
+    ~55 MB: it brings mlflow) only to find no DeepSpeedEngine."""
     deepspeed_run = accelerator.distributed_type == DistributedType.DEEPSPEED
     with contextlib.nullcontext() if deepspeed_run else hidden("deepspeed"):
         task.save_model(accelerator, model, directory)
@@ -48,15 +48,12 @@ def save_labels(directory: Path, labels: list) -> None:
 def saved_labels(directory: str | Path) -> list[str] | None:
     """The class names save_labels wrote into `directory`, in id order; None where it wrote none."""
     path = Path(directory) / LABELS_FILE
-    if not path.is_file():
-        return None
-    id2label = json.loads(path.read_text())["id2label"]
-    return [id2label[str(i)] for i in range(len(id2label))]
+    return list(json.loads(path.read_text())["id2label"].values()) if path.is_file() else None
 
 
-def load_weights(model, path: str) -> None:
+def load_weights(model, path: str):
     """The weights in a saved model folder (model.safetensors, or shards with an index) or a checkpoint, into
-    `model`; every parameter must be there with its shape (a different --model or size is one clear line)."""
+    `model`, returned; every parameter must be there with its shape (a different --model or size is one clear line)."""
     from accelerate.utils import load_checkpoint_in_model
 
     folder = saved_model_dir(path)
@@ -67,6 +64,7 @@ def load_weights(model, path: str) -> None:
             f"--model_name_or_path {path} does not hold weights for this model "
             f"(same --task and options as when it was trained?): {one_line(err)[:300]}"
         ) from err
+    return model
 
 
 def saved_model_dir(path: str) -> Path:

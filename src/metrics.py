@@ -1,9 +1,6 @@
 """Evaluation metrics: `accuracy` built in, any other name an `evaluate` module (src/evaluate_metrics/<name> first,
-then a path or the Hub).
-
-Every process computes the metric on the same gathered predictions (`evaluate` in train.py), so all processes agree:
-no "4 accuracies on 4 GPUs".
-"""
+then a path or the Hub). Every process computes the metric on the same gathered predictions (`evaluate` in train.py),
+so all processes agree: no "4 accuracies on 4 GPUs"."""
 
 import uuid
 from collections import Counter
@@ -23,7 +20,6 @@ class Metric(Protocol):
     results of everything added since the last compute(), which starts the next evaluation empty."""
 
     def add_batch(self, *, predictions, references) -> None: ...
-
     def compute(self) -> dict: ...
 
 
@@ -31,8 +27,7 @@ class Accuracy:
     """The fraction of predictions equal to their reference since the last compute(). Built in: a run that needs no
     other metric never imports `evaluate` (nor `datasets`: ~0.7 s to the first step, ~50 MB, docs/benchmark.md)."""
 
-    def __init__(self):
-        self.correct, self.total = 0, 0
+    correct = total = 0  # since the last compute()
 
     def add_batch(self, *, predictions, references) -> None:
         predictions, references = np.asarray(predictions), np.asarray(references)
@@ -53,18 +48,15 @@ class Accuracy:
 BUILT_IN = {"accuracy": Accuracy}
 
 
-class Metrics:
+class Metrics(list):
     """Several metrics as one: each gets every batch, compute() merges their results."""
 
-    def __init__(self, metrics: list[Metric]):
-        self.metrics = metrics
-
     def add_batch(self, *, predictions, references) -> None:
-        for metric in self.metrics:
+        for metric in self:
             metric.add_batch(predictions=predictions, references=references)
 
     def compute(self) -> dict:
-        results = [metric.compute() for metric in self.metrics]
+        results = [metric.compute() for metric in self]
         twice = sorted(name for name, count in Counter(name for r in results for name in r).items() if count > 1)
         if twice:
             raise TaskFailed(f"two metrics both give {', '.join(twice)}; keep one of them in --metrics")
@@ -81,24 +73,16 @@ def load_metrics(names: list[str]) -> Metric | None:
     metrics = [BUILT_IN[name]() for name in names if name in BUILT_IN]
     others = [name for name in names if name not in BUILT_IN]
     if others:
-        evaluate = import_evaluate()
+        # `import evaluate` without importing transformers (~0.6 s of CPU, 30 MB, docs/benchmark.md): evaluate imports
+        # it, if it can, only for its pipeline `evaluator`s, which metrics do not use; a task that uses transformers
+        # has loaded it already.
+        import datasets  # noqa: F401  (first: it asks whether transformers is installed without importing it)
+
+        with hidden("transformers"):
+            import evaluate
         # A fresh experiment id per load: processes on one machine never wait on each other's cache-file locks.
         # (keep_in_memory=True would avoid the files, but fails on Python 3.12.3: its fingerprint pickles pyarrow types)
         experiment = uuid.uuid4().hex
-        modules = []
-        for name in others:
-            local = LOCAL_METRICS / name
-            modules.append(evaluate.load(str(local) if local.is_dir() else name, experiment_id=experiment))
-        metrics.append(evaluate.combine(modules))
+        paths = [str(LOCAL_METRICS / name) if (LOCAL_METRICS / name).is_dir() else name for name in others]
+        metrics.append(evaluate.combine([evaluate.load(path, experiment_id=experiment) for path in paths]))
     return metrics[0] if len(metrics) == 1 else Metrics(metrics)
-
-
-def import_evaluate():
-    """`import evaluate` without importing transformers (most of a second of CPU, docs/benchmark.md): evaluate
-    imports it, if it can, only for its pipeline `evaluator`s, which metrics do not use (src/imports.py); a task
-    that uses transformers has loaded it already."""
-    import datasets  # noqa: F401  (first: it asks whether transformers is installed without importing it)
-
-    with hidden("transformers"):
-        import evaluate
-    return evaluate

@@ -13,15 +13,14 @@ logger = logging.getLogger(__name__)
 
 
 def build_optimizer(model: nn.Module, config: TrainConfig, fused: bool = False) -> torch.optim.Optimizer:
-    """AdamW; no weight decay on biases and normalisation weights (1-D parameters), as usual.
-
-    fused: one CUDA kernel for the whole update instead of torch's default multi-tensor (foreach) one; pass it
-    when the parameters will live on a GPU. The CPU keeps the default implementation (and its exact numbers)."""
+    """AdamW; no weight decay on biases and normalisation weights (1-D parameters), as usual. `fused`: one CUDA kernel
+    for the whole update instead of torch's default multi-tensor (foreach) one; pass it when the parameters will live
+    on a GPU. The CPU keeps the default implementation (and its exact numbers)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     betas = (config.adam_beta1, config.adam_beta2)
-    return torch.optim.AdamW(groups, lr=config.learning_rate, betas=betas, **({"fused": True} if fused else {}))
+    return torch.optim.AdamW(groups, lr=config.learning_rate, betas=betas, fused=fused or None)
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, kind: str) -> float:
@@ -41,8 +40,7 @@ def build_scheduler(optimizer, config: TrainConfig, total_steps: int) -> torch.o
     if warmup >= total_steps:  # a short run with the default 20 steps of warmup: its curve would look wrong
         logger.warning(
             "--warmup_steps %d covers all %d steps of this run: the learning rate only rises; lower --warmup_steps",
-            warmup,
-            total_steps,
+            *(warmup, total_steps),
         )
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, total_steps, warmup, config.lr_scheduler_type)

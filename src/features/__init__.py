@@ -2,8 +2,7 @@
 
 A feature reaches a run through the hooks of `Feature` (each does nothing unless overridden) and brings its own
 options: an `Options` dataclass whose fields join the command line, the YAML config and config.yaml, as a task's do.
-The core never imports a feature by name, so deleting a feature's package (and what features.yaml lists with it)
-removes it, flags and all.
+The core never imports a feature by name: deleting its package (and its features.yaml paths) removes it, flags and all.
 
     class MirrorFeature(Feature):
         @dataclass
@@ -76,24 +75,13 @@ class Features(tuple):
         for feature in self:
             feature.check_launch(use_cpu, config)
 
-    def accelerator_options(self, use_cpu: bool, config) -> dict | None:
-        return next((o for f in self if (o := f.accelerator_options(use_cpu, config)) is not None), None)
-
     def check(self, config) -> None:
         for feature in self:
             feature.check(config)
 
-    def adapt_model(self, model, accelerator):
-        for feature in self:
-            model = feature.adapt_model(model, accelerator)
-        return model
-
     def before_resume(self, accelerator, config) -> None:
         for feature in self:
             feature.before_resume(accelerator, config)
-
-    def train_loader(self, task, config, pin_memory: bool):
-        return next((loader for f in self if (loader := f.train_loader(task, config, pin_memory)) is not None), None)
 
     def on_start(self, accelerator, config, resumed: bool) -> None:
         for feature in self:
@@ -110,6 +98,17 @@ class Features(tuple):
     def on_end(self, accelerator, config, model_dir: Path) -> None:
         for feature in self:
             feature.on_end(accelerator, config, model_dir)
+
+    def accelerator_options(self, use_cpu: bool, config) -> dict | None:
+        return next((o for f in self if (o := f.accelerator_options(use_cpu, config)) is not None), None)
+
+    def train_loader(self, task, config, pin_memory: bool):
+        return next((loader for f in self if (loader := f.train_loader(task, config, pin_memory)) is not None), None)
+
+    def adapt_model(self, model, accelerator):
+        for feature in self:
+            model = feature.adapt_model(model, accelerator)
+        return model
 
 
 def options_of(options_class: type, values: dict):

@@ -23,7 +23,8 @@ BUILT_IN = {"digits": "src.tasks.digits.Digits", **feature_tasks()}
 def task_class(name: str) -> type[Task]:
     """The Task subclass `--task` names: a built-in, a module with exactly one Task subclass, or module.Class."""
     path = BUILT_IN.get(name, name)
-    module = import_module(path) or import_module(path.rpartition(".")[0])
+    module_path, _, class_name = path.rpartition(".")
+    module = import_module(path) or import_module(module_path)
     if module is None:
         close = difflib.get_close_matches(name, BUILT_IN, n=1)
         hint = f"did you mean {close[0]}? " if close else ""
@@ -31,15 +32,12 @@ def task_class(name: str) -> type[Task]:
             f"unknown --task {name!r}; {hint}use one of {', '.join(BUILT_IN)} or an importable module path"
         )
     if module.__name__ != path:  # module.Class
-        found = getattr(module, path.rpartition(".")[2], None)
+        found = getattr(module, class_name, None)
         if not (inspect.isclass(found) and issubclass(found, Task)):
-            raise UsageError(f"--task {name}: {module.__name__} has no Task subclass {path.rpartition('.')[2]!r}")
+            raise UsageError(f"--task {name}: {module.__name__} has no Task subclass {class_name!r}")
         return found
-    defined = [
-        c
-        for _, c in inspect.getmembers(module, inspect.isclass)
-        if issubclass(c, Task) and c.__module__ == module.__name__
-    ]
+    classes = [c for _, c in inspect.getmembers(module, inspect.isclass)]
+    defined = [c for c in classes if issubclass(c, Task) and c.__module__ == module.__name__]
     if len(defined) != 1:
         names = ", ".join(f"{path}.{c.__name__}" for c in defined) or "none"
         raise UsageError(
@@ -51,14 +49,12 @@ def task_class(name: str) -> type[Task]:
 
 def import_module(path: str):
     """The module, or None if `path` itself does not exist (an error inside an existing module propagates)."""
-    if not path:
-        return None
     try:
-        return importlib.import_module(path)
+        return importlib.import_module(path) if path else None
     except ModuleNotFoundError as err:
-        if err.name and (path == err.name or path.startswith(err.name + ".")):
-            return None
-        raise
+        if not (err.name and (path + ".").startswith(err.name + ".")):  # not `path` or a package above it
+            raise
+    return None
 
 
 def task_name(name: str) -> str:

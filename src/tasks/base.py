@@ -11,15 +11,11 @@
         def build_model(self): ...          # an nn.Module (a plain network: src/models/)
         def loss(self, model, batch): ...   # a scalar: the batch's mean loss
         def eval_outputs(self, model, batch): ...   # per-sample tensors, see below
-        def build_eval_dataset(self, split, labelled): ...   # may: one split without the train split (eval-only, test)
-        def build_train_stream(self): ...   # may: the train split as an IterableDataset (--streaming)
-        def predict(self, model, batch): ...        # may: per-sample tensors for predictions.jsonl
-        def prediction_ids(self, split): ...       # may: each predicted row's id (default: the --id_column)
 
+The "may" methods below have defaults, or are needed only where used (eval-only runs, test splits, streaming, predict).
 A task is built once per run, so it can keep state (a tokenizer, the number of features) on `self`.
-`ClassificationTask` (src/tasks/classification.py) fills in the loss and eval outputs for `(inputs, labels)`
-batches and logits; `Digits` uses it. `HuggingFaceTask` (src/features/hf/base.py) loads and saves a
-transformers model and its tokenizer for `TextClassification` and `LanguageModeling`.
+Built to subclass: `ClassificationTask` (src/tasks/classification.py: the loss and eval outputs of `(inputs, labels)`
+batches and logits), `HuggingFaceTask` (src/features/hf/base.py: loads and saves a transformers model and tokenizer).
 """
 
 from __future__ import annotations
@@ -48,12 +44,10 @@ class NoOptions:
 
 
 class Task:
-    """Subclass it and implement the four methods marked "must"; everything else has a default.
-
-    `self.config` is the run's TrainConfig (data files, splits, batch sizes, ...), `self.options` this task's
-    `Options`, parsed and type-checked before the task is built. Raise `src.errors.UsageError` for bad input:
-    the run ends with that one line and exit code 2.
-    """
+    """Subclass it and implement the four methods marked "must"; everything else has a default. `self.config` is the
+    run's TrainConfig (data files, splits, batch sizes, ...), `self.options` this task's `Options`, parsed and
+    type-checked before the task is built. Raise `src.errors.UsageError` for bad input: the run ends with that one
+    line and exit code 2."""
 
     Options: ClassVar[type] = NoOptions  # a dataclass; its fields become --flags (names must differ from TrainConfig's)
     metrics: ClassVar[list[str]] = []  # src/metrics.py names, computed from eval_outputs' predictions and references
@@ -65,11 +59,9 @@ class Task:
     default_data_files: ClassVar[dict[str, str] | None] = None  # used when neither data_files nor dataset_name is set
 
     def __init__(self, config: TrainConfig, options=None):
-        self.config = config
-        self.options = self.Options() if options is None else options
+        self.config, self.options = config, self.Options() if options is None else options
 
     # --- must ---
-
     def build_datasets(self) -> tuple[Dataset, Dataset]:
         """(train, eval) map-style datasets. Tensors in memory are the fast path: no per-sample work per step."""
         raise NotImplementedError(f"{type(self).__name__} must implement build_datasets()")
@@ -90,7 +82,6 @@ class Task:
         raise NotImplementedError(f"{type(self).__name__} must implement eval_outputs()")
 
     # --- may ---
-
     def count_items(self, batch) -> torch.Tensor:
         """With loss_reduction "sum": how many terms loss() summed over (e.g. the tokens with a label)."""
         raise NotImplementedError(f"{type(self).__name__} has loss_reduction 'sum' and must implement count_items()")
@@ -115,9 +106,7 @@ class Task:
     def load_model(self, path: str) -> nn.Module:
         """`--model_name_or_path`: build_model() with the weights save_model() wrote (a run's model/ folder) or a
         checkpoint holds (checkpoints/step_<N>/). Hugging Face tasks load with from_pretrained in build_model."""
-        model = self.build_model()
-        load_weights(model, path)
-        return model
+        return load_weights(self.build_model(), path)
 
     def predict(self, model: nn.Module, batch) -> dict[str, torch.Tensor]:
         """Per-sample tensors (first dimension = the batch) for predictions.jsonl, gathered across processes in input
@@ -155,9 +144,8 @@ class Task:
         return None
 
     def save_model(self, accelerator, model: nn.Module, directory: Path) -> None:
-        """The final model (and, with export_checkpoints, each checkpoint's), called on every process (FSDP and
-        DeepSpeed gather shards from all of them).
-        Default: `model.safetensors`; a Hugging Face task would call `save_pretrained` here."""
+        """The final model (with export_checkpoints, each checkpoint's too), on every process (FSDP and DeepSpeed
+        gather shards from all of them). Default: `model.safetensors`; a Hugging Face task calls `save_pretrained`."""
         accelerator.save_model(model, directory, safe_serialization=True)
 
 
@@ -171,20 +159,14 @@ def task_errors(task: Task):
         import torch.distributed as dist
         from accelerate.utils.memory import should_reduce_batch_size
 
-        not_the_task = (RunStopped, OSError, *([dist.DistError] if hasattr(dist, "DistError") else []))
-        if isinstance(err, not_the_task) or should_reduce_batch_size(err):
-            raise  # a full disk, a lost peer, out of memory (which --auto_find_batch_size handles)
-        frame = next((f for f, _ in walk_tb(err.__traceback__) if is_task_method(task, f)), None)
-        if frame is None:
-            raise
+        method_code = {getattr(getattr(type(task), name, None), "__code__", None) for name in dir(type(task))}
+        frame = next((f for f, _ in walk_tb(err.__traceback__) if f.f_code in method_code), None)
+        not_the_task = (RunStopped, OSError, getattr(dist, "DistError", OSError))  # no DistError: torch without dist
+        if frame is None or isinstance(err, not_the_task) or should_reduce_batch_size(err):
+            raise  # not in the task's code; a full disk, a lost peer, out of memory (--auto_find_batch_size's)
         batch = frame.f_locals.get("batch")
         on = f" on a batch {describe(batch)}" if batch is not None else ""
         raise TaskFailed(
             f"{type(task).__name__}.{frame.f_code.co_name}() failed{on}: {type(err).__name__}: {one_line(err)[:400]} "
             "(--debug true shows the traceback)"
         ) from err
-
-
-def is_task_method(task: Task, frame) -> bool:
-    method = getattr(type(task), frame.f_code.co_name, None)
-    return getattr(method, "__code__", None) is frame.f_code
