@@ -50,11 +50,16 @@ def feature_paths(name: str, root: Path) -> list[Path]:
     return [root / path for path in features[name]["paths"] if (root / path).exists()]
 
 
+# What removes and checks features: it goes with the last feature (nothing is left to remove), and with it what the
+# pages say of features in general (the lines and regions marked with the name `any`).
+MACHINERY = ("scripts/remove_feature.py", "tests/test_lean_core.py")
+
+
 def remove(name: str, root: Path) -> list[Path]:
     """Delete the feature's files and its features.yaml entry, then what other pages (README, docs/, the accelerate
     configs' comments) say of it: marked lines and regions (`strip_mentions`), and its options' tables in
     docs/config.md (as scripts/config_reference.py would write them without it; read as text, so that a copier task
-    can run this without torch)."""
+    can run this without torch). The last feature takes MACHINERY along."""
     removed = feature_paths(name, root)
     for path in removed:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
@@ -62,14 +67,25 @@ def remove(name: str, root: Path) -> list[Path]:
     manifest_file.write_text(
         re.sub(rf"^{re.escape(name)}:\n(?:[ #].*\n|\n)*", "", manifest_file.read_text(), flags=re.M)
     )
+    edit_pages(root, lambda text: strip_mentions(strip_options_tables(text, name), name))
+    if not yaml.safe_load(manifest_file.read_text()):
+        machinery = [root / path for path in MACHINERY if (root / path).is_file()]
+        for path in machinery:
+            path.unlink()
+        edit_pages(root, lambda text: strip_mentions(text, "any"))
+        removed += machinery
+    return removed
+
+
+def edit_pages(root: Path, edit) -> None:
+    """`edit` applied to the text of README.md, docs/*.md, the accelerate configs (whose comments may name a
+    feature's script) and features.yaml's comments."""
     pages = [root / "README.md", *sorted((root / "docs").glob("*.md")), *sorted(root.glob("accelerate_configs/*.yaml"))]
-    for page in pages:  # (an accelerate config's comments may name a feature's script too)
+    for page in [*pages, root / "features.yaml"]:
         if page.is_file():
             text = page.read_text()
-            stripped = strip_mentions(strip_options_tables(text, name), name)
-            if stripped != text:
-                page.write_text(stripped)
-    return removed
+            if (edited := edit(text)) != text:
+                page.write_text(edited)
 
 
 def remove_all(names: list[str], root: Path) -> list[Path]:

@@ -1,5 +1,5 @@
 """Optional features (src/features/, features.yaml): each reaches the run through the Feature seam with its own
-options, and each can be deleted leaving the rest working (scripts/remove_feature.py --check, run here for all)."""
+options, and each can be deleted leaving the rest working (checked here for each)."""
 
 import ast
 import dataclasses

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from scripts.readme_commands import section_commands
-from scripts.remove_feature import copy_of_repo, remove, with_dependents
+from scripts.remove_feature import MACHINERY, copy_of_repo, remove, with_dependents
 from tests.conftest import REPO, assert_ok, command_env
 from tests.helpers import assert_bash_blocks_run
 
@@ -62,6 +62,8 @@ def expected_files(kept: list[str]) -> set[str]:
     for name in with_dependents(["generator", *(c for c in CHOICES if c not in kept)]):
         for path in MANIFEST[name]["paths"]:
             every = {f for f in every if f != path and not (path.endswith("/") and f.startswith(path))}
+    if not kept:  # no feature left: nothing to remove, so the removal script and its check go too
+        every -= set(MACHINERY)
     return every | {".copier-answers.yml"}
 
 
