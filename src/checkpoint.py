@@ -1,10 +1,7 @@
-"""Checkpoints and exact resume.
-
-A checkpoint is `output_dir/checkpoints/step_<N>/`: `accelerator.save_state` (model, optimiser, LR scheduler, every
-process's RNG states) plus `trainer_state.json` (step, partial loss window, batch geometry, tracker run id) and the
-resolved `config.yaml`, written under a temporary name and renamed when complete: a kill during a write never leaves
-a "latest" that fails to load. The position in data of known length follows from the step (src/batches.py's
-`DataPosition`); a stream's is saved.
+"""Checkpoints and exact resume: `output_dir/checkpoints/step_<N>/` holds `accelerator.save_state` (model, optimiser,
+LR scheduler, every process's RNG states), `trainer_state.json` and the resolved `config.yaml`. It is written under a
+temporary name and renamed when complete: a kill during a write never leaves a "latest" that fails to load. The
+position in data of known length follows from the step (src/batches.py's `DataPosition`); a stream's is saved.
 """
 
 import json
@@ -42,32 +39,25 @@ class TrainerState:
 
 
 def resume(accelerator, config: TrainConfig, fresh: TrainerState) -> tuple[TrainerState, bool]:
-    """`--resume_from_checkpoint`: (the checkpoint's state, True) once its model, optimiser, scheduler and RNG
-    states are loaded on every process; (`fresh`, False) without a checkpoint to resume."""
-    checkpoint = find_resume_checkpoint(config)
-    if checkpoint is None:
-        return fresh, False
-    state = load_checkpoint(accelerator, checkpoint, expected=fresh)
-    logger.info("resuming from %s at step %d", checkpoint, state.step)
-    return state, True
-
-
-def find_resume_checkpoint(config: TrainConfig) -> Path | None:
-    """`--resume_from_checkpoint latest | <path>` -> a complete checkpoint, or None to start fresh."""
+    """`--resume_from_checkpoint latest | <path>`: (the checkpoint's state, True) once it is loaded on every process;
+    (`fresh`, False) without a checkpoint to resume."""
     if not config.resume_from_checkpoint:
-        return None
+        return fresh, False
+    path = Path(config.resume_from_checkpoint)
     if config.resume_from_checkpoint == "latest":
         complete = complete_checkpoints(Path(config.output_dir))
         if not complete:
             logger.info("no checkpoint in %s yet: starting fresh", Path(config.output_dir) / CHECKPOINTS_DIR)
-        return complete[-1] if complete else None
-    path = Path(config.resume_from_checkpoint)
-    if not (path / STATE_FILE).is_file():
+            return fresh, False
+        path = complete[-1]
+    elif not (path / STATE_FILE).is_file():
         raise UsageError(
             f"--resume_from_checkpoint {path} is not a complete checkpoint (no {STATE_FILE}); "
             f"use a checkpoints/step_<N> folder or 'latest'"
         )
-    return path
+    state = load_checkpoint(accelerator, path, expected=fresh)
+    logger.info("resuming from %s at step %d", path, state.step)
+    return state, True
 
 
 def checkpoint_step(path: Path) -> int:
@@ -80,20 +70,16 @@ def checkpoint_dir(output_dir: Path, step: int) -> Path:
 
 def complete_checkpoints(output_dir: Path) -> list[Path]:
     """Oldest first. Only folders with a trainer state count: the rename happens after everything is written."""
-    root = output_dir / CHECKPOINTS_DIR
-    found = [p for p in root.glob("step_*") if (p / STATE_FILE).is_file()] if root.is_dir() else []
+    found = [p for p in (output_dir / CHECKPOINTS_DIR).glob("step_*") if (p / STATE_FILE).is_file()]
     return sorted(found, key=checkpoint_step)
 
 
 def save_checkpoint(accelerator, config: TrainConfig, state: TrainerState, export=None) -> Path:
     """All processes call this (DeepSpeed and FSDP save shards from every rank); it returns once the rename is done.
-    `export(directory)`, if given, also writes the model in the task's own format into the checkpoint's model/. A
-    failed write (disk full, quota) on any process is agreed on by all, the partial folder is removed, and the run
-    stops with an error: the previous checkpoints were never touched.
-    """
+    `export(directory)`, if given, also writes the model in the task's own format into model/. A failed write (disk
+    full, quota) on any process stops every process with an error, the partial folder removed, older ones untouched."""
     final = checkpoint_dir(config.output_dir, state.step)
-    root = final.parent
-    partial = root / f"{TMP_PREFIX}step_{state.step}"
+    partial = final.with_name(TMP_PREFIX + final.name)
     if accelerator.is_main_process:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
@@ -120,7 +106,7 @@ def save_checkpoint(accelerator, config: TrainConfig, state: TrainerState, expor
         if final.exists():  # re-saving a step (e.g. a resumed run that stops where it started)
             shutil.rmtree(final)
         os.replace(partial, final)  # atomic on one file system: the checkpoint appears whole or not at all
-        rotate_checkpoints(root.parent, config.save_total_limit, keep_step=state.best_model_step)
+        rotate_checkpoints(Path(config.output_dir), config.save_total_limit, keep_step=state.best_model_step)
     accelerator.wait_for_everyone()
     return final
 
@@ -166,10 +152,9 @@ RESHARDED = ("FSDP2",)  # torch.distributed.checkpoint (DCP) reshards model and 
 
 
 def check_same_sharding(path: Path, saved: TrainerState, expected: TrainerState) -> None:
-    """A checkpoint resumes under a strategy that can read it: a whole model (one process, DDP) on any process count,
-    FSDP2's DCP shards under FSDP2 on any process count (DCP reshards them as it loads; the data position follows
-    from the step and the global batch, as for DDP), DeepSpeed's ZeRO partitions (one file set per process) under
-    that stage on as many processes as wrote them."""
+    """A checkpoint resumes under a strategy that can read it: a whole model (one process, DDP) or FSDP2's DCP shards
+    (under FSDP2) on any process count; DeepSpeed's ZeRO partitions (a file set per process) under that stage on as
+    many processes as wrote them."""
     if saved.strategy is None or (saved.strategy in UNSHARDED and expected.strategy in UNSHARDED):
         return  # whole-model checkpoints (or one written before strategies were recorded)
     if saved.strategy == expected.strategy and (saved.strategy in RESHARDED or saved.world_size == expected.world_size):

@@ -1,11 +1,8 @@
-"""Build the Accelerator so one command trains the same way on CPU, one GPU or N processes (docs/how_it_works.md):
-- Without GPUs, `accelerate launch --multi_gpu` or `torchrun` with a plain `Accelerator()` starts N processes that
-  never form a group: N independent trainings, silently. `cpu=True` there gives real gloo DDP, and a launcher's world
-  size that differs from the group's is refused.
-- The global batch does not change with the process count: accumulation is derived from `global_batch_size`; the
-  seedable sampler makes the data order independent of it.
-- BatchNorm statistics are per process unless synchronised: nn.SyncBatchNorm on CUDA; on CPU processes, the
-  sync_batchnorm feature's.
+"""Build the Accelerator so one command trains the same way on CPU, one GPU or N processes (docs/how_it_works.md).
+Without GPUs, a plain `Accelerator()` under `accelerate launch --multi_gpu` or `torchrun` starts N processes that
+never form a group (N independent trainings, silently): `cpu=True` gives real gloo DDP, and a launcher's world size
+that differs from the group's is refused. Accumulation follows from `global_batch_size` and the seedable sampler
+fixes the data order, so neither changes with the process count.
 """
 
 import logging
@@ -36,7 +33,12 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
     check_launch(use_cpu, config)
     if use_cpu:
         keep_freed_host_memory()
-        warn_if_more_processes_than_cores()
+        processes, cores = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), usable_cores()
+        if processes > cores and os.environ.get("LOCAL_RANK", "0") == "0":  # said once per node, before any error
+            say(
+                f"warning: {processes} processes on {cores} CPU cores: they take turns, so this trains slower than "
+                f"{cores} processes would; launch with --num_processes {cores} (the global batch stays the same)"
+            )
     strategy_options = accelerator_options(use_cpu, config)  # cpu, and what FSDP/DeepSpeed need
     state = PartialState(**process_group_options(strategy_options))  # forms the group; its size fixes accumulation
     launched = int(os.environ.get("WORLD_SIZE", "1"))
@@ -46,12 +48,12 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
             "launch with `accelerate launch --config_file accelerate_configs/ddp.yaml` or `torchrun`"
         )
     accumulation = resolve_global_batch(config, state.num_processes) if config.do_train else 1
-    options = {"mixed_precision": config.mixed_precision} if config.mixed_precision else {}
     if config.tf32 is not None and not use_cpu:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = config.tf32
     try:
         accelerator = Accelerator(
             log_with=log_with,
+            mixed_precision=config.mixed_precision,  # None: the accelerate config's
             project_dir=config.output_dir,
             # sync_with_dataloader=False: the loop runs whole accumulation windows only, so no partial window at
             # an epoch's end makes an extra, smaller optimiser step that a different process count would not make
@@ -63,11 +65,9 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
             dataloader_config=DataLoaderConfiguration(
                 use_seedable_sampler=True, non_blocking=not use_cpu, dispatch_batches=False
             ),
-            # on the CPU everything already is where it runs; placement would only re-check each batch
-            # (docs/benchmark.md)
+            # on the CPU everything already is where it runs: placement would only re-check each batch
             device_placement=not use_cpu,
             **strategy_options,
-            **options,
         )
     except ValueError as err:  # e.g. fp16 without a GPU, or an accelerate config this machine can't run
         raise UsageError(f"Accelerate cannot run this setup: {one_line(err)}") from err
@@ -78,17 +78,6 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
 
 def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def warn_if_more_processes_than_cores() -> None:
-    """CPU processes beyond the cores share them: slower than fewer, not wrong. Said once per node, before anything
-    else can fail."""
-    processes, cores = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), usable_cores()
-    if processes > cores and os.environ.get("LOCAL_RANK", "0") == "0":
-        say(
-            f"warning: {processes} processes on {cores} CPU cores: they take turns, so this trains slower than "
-            f"{cores} processes would; launch with --num_processes {cores} (the global batch stays the same)"
-        )
 
 
 def summed_loss_scale(accelerator, task, window: list) -> torch.Tensor:
@@ -111,16 +100,26 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
 
 
 class SynchronisedBatchNorm(nn.modules.batchnorm._BatchNorm):
-    """A BatchNorm whose statistics are over every process's batch where torch's nn.SyncBatchNorm is not (a
-    feature's, through `Feature.adapt_model`): `sync_batchnorm` then has nothing to warn about."""
+    """A BatchNorm synchronised where nn.SyncBatchNorm is not (a feature's): `sync_batchnorm` does not warn of it."""
 
 
 def sync_batchnorm(model: nn.Module, accelerator) -> nn.Module:
     """BatchNorm statistics over the whole global micro-batch on N processes: nn.SyncBatchNorm on CUDA. torch has
     none for CPU processes: there the sync_batchnorm feature's layers (from `Feature.adapt_model`, called first)."""
     batchnorms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    if batchnorms and accelerator.gradient_accumulation_steps > 1:
-        warn_batchnorm_under_accumulation(accelerator.gradient_accumulation_steps, accelerator.num_processes)
+    accumulation = accelerator.gradient_accumulation_steps
+    if batchnorms and accumulation > 1:
+        # Each micro-batch is normalised by its own statistics, so how the global batch is cut changes training:
+        # 1 process x 64 and 2 x 32 (synchronised) agree, 1 x 32 accumulated twice does not (docs/how_it_works.md)
+        logger.warning(
+            "the model has BatchNorm and each optimiser step accumulates %d micro-batches: its statistics are those of "
+            "one micro-batch, so another process count or per-device batch trains differently; use a per-device batch "
+            "%d times as large (--global_batch_size / %d processes: no accumulation), or GroupNorm (digits: --norm "
+            "group)",
+            accumulation,
+            accumulation,
+            accelerator.num_processes,
+        )
     if not batchnorms or accelerator.num_processes == 1:
         return model
     if accelerator.device.type == "cuda":
@@ -134,20 +133,6 @@ def sync_batchnorm(model: nn.Module, accelerator) -> nn.Module:
             accelerator.num_processes,
         )
     return model
-
-
-def warn_batchnorm_under_accumulation(accumulation: int, processes: int) -> None:
-    """BatchNorm normalises each micro-batch (synchronised: per-device batch x processes samples) by its own
-    statistics, so how the global batch is cut changes training: 1 process x 64 and 2 x 32 agree, 1 x 32 accumulated
-    twice does not (docs/how_it_works.md)."""
-    logger.warning(
-        "the model has BatchNorm and each optimiser step accumulates %d micro-batches: its statistics are those of one "
-        "micro-batch, so another process count or per-device batch trains differently; use a per-device batch %d "
-        "times as large (--global_batch_size / %d processes: no accumulation), or GroupNorm (digits: --norm group)",
-        accumulation,
-        accumulation,
-        processes,
-    )
 
 
 def end_training(accelerator) -> None:

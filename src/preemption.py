@@ -17,13 +17,12 @@ class LauncherWatch:
     """A thread that stops this process within seconds of its launcher's death.
 
     torch elastic (`accelerate launch`, torchrun) starts each rank in a session of its own, so a launcher killed with
-    SIGKILL takes none of them along: they would train on beside a second run that may have started on the same
-    folder, or wait forever in a collective for a rank that died. The launcher's agent is this rank's parent; when the
-    parent changes, it is gone. Then the training loop is asked for a preemption checkpoint at its next step boundary,
-    and at most GRACE_S later the process exits whatever it is doing (the next run removes a half-written checkpoint).
-    Polling rather than prctl(PR_SET_PDEATHSIG): that is Linux-only, fires when the *thread* that forked the rank
-    exits, and races with a parent that died before the rank set it.
-    """
+    SIGKILL takes none of them along: they would train on beside a second run on the same folder, or wait forever in
+    a collective for a rank that died. The launcher's agent is this rank's parent: when the parent changes, it is gone.
+    The training loop then saves a preemption checkpoint at its next step boundary, and at most GRACE_S later the
+    process exits whatever it is doing (the next run removes a half-written checkpoint). Polling, not
+    prctl(PR_SET_PDEATHSIG): that is Linux-only, fires when the *thread* that forked the rank exits, and races with a
+    parent that died before the rank set it."""
 
     POLL_S = 0.5
     GRACE_S = 5.0  # for the preemption checkpoint; a new launch on the folder is still importing torch by then
@@ -31,7 +30,7 @@ class LauncherWatch:
     def __init__(self, launcher: int):
         self.launcher = launcher
         self.gone = threading.Event()
-        self.listeners: list = []
+        self.listeners: list = []  # PreemptionSignals' while a training loop runs
         threading.Thread(target=self.watch, name="launcher-watch", daemon=True).start()
 
     def watch(self) -> None:
@@ -62,27 +61,12 @@ def watch_launcher() -> None:
         _watch = LauncherWatch(os.getppid())
 
 
-def on_launcher_exit(listener) -> None:
-    """Call `listener()` if the launcher dies (at once if it is gone already); `listener` may be removed again."""
-    if _watch is None:
-        return
-    _watch.listeners.append(listener)
-    if _watch.gone.is_set():
-        listener()
-
-
-def forget_launcher_exit(listener) -> None:
-    if _watch is not None and listener in _watch.listeners:
-        _watch.listeners.remove(listener)
-
-
 class PreemptionSignals:
-    """SIGTERM / SIGUSR1 (SLURM's warning before the time limit), or the launcher's death, ask for a checkpoint at a
-    step boundary. Processes may receive the signal at different steps, so they agree on when to save: every
-    `every`-th step starts an all-reduce of the flag in the background on a CPU (gloo) group and reads the one started
-    `every` steps earlier, so every process sees the same sum at the same step and no step waits for the network. On
-    GPUs that is every step; CPU processes agree every 10 steps (gloo's background work takes cores from training,
-    docs/resume.md). One process needs no agreement.
+    """SIGTERM / SIGUSR1, or the launcher's death, ask for a checkpoint at a step boundary. Processes may receive the
+    signal at different steps, so they agree on when to save: every `every`-th step starts an all-reduce of the flag in
+    the background on a CPU (gloo) group and reads the one started `every` steps earlier, so every process sees the same
+    sum at the same step and no step waits for the network. On GPUs that is every step; CPU processes agree every 10
+    steps (gloo's background work takes cores from training, docs/resume.md). One process needs no agreement.
     """
 
     CPU_EVERY = 10
@@ -90,40 +74,36 @@ class PreemptionSignals:
 
     def __init__(self, accelerator):
         self.alone = accelerator.num_processes == 1
-        self.received: str | None = None
+        self.received = False
         self.previous = {}
         for name in self.SIGNALS:
             # ValueError outside the main thread (some notebook runners): then no handler, as before
             with contextlib.suppress(ValueError, AttributeError):
                 self.previous[name] = signal.signal(getattr(signal, name), self.handle)
-        on_launcher_exit(self.launcher_exited)
+        if _watch is not None:
+            _watch.listeners.append(self.handle)
+            if _watch.gone.is_set():  # the watch may have read its listeners already
+                self.handle()
         if not self.alone:
-            import torch.distributed as dist
-
-            self.group = dist.new_group(backend="gloo")  # a CPU flag: no device sync per step
+            self.group = torch.distributed.new_group(backend="gloo")  # a CPU flag: no device sync per step
             self.flag, self.pending = torch.zeros(1), None
             self.every = self.CPU_EVERY if accelerator.device.type == "cpu" else 1
 
-    def handle(self, signum, frame):
-        self.received = signal.Signals(signum).name
-
-    def launcher_exited(self):
-        self.received = self.received or "launcher exited"
+    def handle(self, *signal_and_frame):
+        self.received = True
 
     def requested(self, step: int) -> bool:
         """Call once per step on every process; True on all of them at the same step once any was signalled."""
         if self.alone:
-            return self.received is not None
+            return self.received
         if step % self.every:
             return False
-        import torch.distributed as dist
-
         agreed = False
         if self.pending is not None:
             self.pending.wait()
             agreed = bool(self.flag.item() > 0)
-        self.flag = torch.tensor([float(self.received is not None)])
-        self.pending = dist.all_reduce(self.flag, group=self.group, async_op=True)
+        self.flag = torch.tensor([float(self.received)])
+        self.pending = torch.distributed.all_reduce(self.flag, group=self.group, async_op=True)
         return agreed
 
     def __enter__(self):
@@ -131,7 +111,8 @@ class PreemptionSignals:
 
     def __exit__(self, error_type, error, traceback):
         """Restore the handlers we replaced, also when training raised: a notebook's kernel keeps its own."""
-        forget_launcher_exit(self.launcher_exited)
+        if _watch is not None and self.handle in _watch.listeners:
+            _watch.listeners.remove(self.handle)
         if error_type is None and not self.alone and self.pending is not None:
             self.pending.wait()  # the last all-reduce in flight (not after an error: a peer may be gone)
         for name, handler in self.previous.items():

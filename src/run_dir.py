@@ -48,11 +48,14 @@ def prepare_output_dir(accelerator, config: TrainConfig, resume_step: int | None
     if accelerator.is_main_process:
         if replacing:  # a fresh start: nothing of the previous run's logs may mix into this one
             logger.info("replacing the previous run in %s (%s)", output_dir, ", ".join(previous))
-            for name in previous:
-                remove(output_dir / name)
-        else:
-            truncate_metrics(output_dir, resume_step or 0)
-        remove_incomplete_checkpoints(output_dir)
+            for path in (output_dir / name for name in previous):
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+        elif (metrics := output_dir / METRICS_FILE).exists():  # a resumed run logs the steps after its checkpoint again
+            lines = metrics.read_text().splitlines(keepends=True)
+            metrics.write_text("".join(line for line in lines if json.loads(line)["step"] <= (resume_step or 0)))
+        for path in sorted((output_dir / CHECKPOINTS_DIR).glob(f"{TMP_PREFIX}*")):
+            logger.warning("removing %s: an incomplete checkpoint (or upload snapshot) from an interrupted write", path)
+            shutil.rmtree(path, ignore_errors=True)
         output_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, output_dir / CONFIG_FILE)
     accelerator.wait_for_everyone()
@@ -75,10 +78,6 @@ def trained_any_step(output_dir: Path) -> bool:
     return False
 
 
-def remove(path: Path) -> None:
-    shutil.rmtree(path) if path.is_dir() else path.unlink()
-
-
 def write_atomically(accelerator, path: Path, text: str) -> None:
     """Main process: the whole file or none of it (a kill mid-write leaves the previous one)."""
     if accelerator.is_main_process:
@@ -87,17 +86,3 @@ def write_atomically(accelerator, path: Path, text: str) -> None:
         partial.write_text(text)
         os.replace(partial, path)
     accelerator.wait_for_everyone()
-
-
-def remove_incomplete_checkpoints(output_dir: Path) -> None:
-    for path in sorted((output_dir / CHECKPOINTS_DIR).glob(f"{TMP_PREFIX}*")):
-        logger.warning("removing %s: an incomplete checkpoint (or upload snapshot) from an interrupted write", path)
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def truncate_metrics(output_dir: Path, step: int) -> None:
-    """A resumed run re-logs the steps after its checkpoint: drop them so metrics.jsonl has each step once."""
-    path = output_dir / METRICS_FILE
-    if path.exists():
-        lines = path.read_text().splitlines(keepends=True)
-        path.write_text("".join(line for line in lines if json.loads(line)["step"] <= step))
