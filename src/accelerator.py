@@ -1,10 +1,7 @@
-"""Accelerate's `Accelerator`, with the per-step calls the loop makes costing no more than plain torch calls.
-
-In a plain run (one process or DDP, no fp16 grad scaler) `accumulate`, `backward`, `clip_grad_norm_` and the prepared
-optimizer's `step`/`zero_grad` do checks that only cost time, about as much as a tiny model's whole step
-(docs/benchmark.md). This subclass skips only those, behind the same names; under DeepSpeed, FSDP, XLA or a grad
-scaler every call is Accelerate's own. tests/test_accelerator.py checks each gives upstream's.
-"""
+"""Accelerate's `Accelerator`, with the loop's per-step calls costing no more than plain torch calls. In a plain run
+(one process or DDP, no fp16 grad scaler) `accumulate`, `backward`, `clip_grad_norm_` and the optimizer's `step` and
+`zero_grad` skip upstream's checks that have nothing to do and cost about a tiny model's whole step (docs/benchmark.md);
+otherwise every call is Accelerate's own. tests/test_accelerator.py checks each gives upstream's."""
 
 import contextlib
 import math

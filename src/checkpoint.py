@@ -127,8 +127,10 @@ def rotate_checkpoints(output_dir: Path, keep: int | None, keep_step: int | None
 
 
 def load_checkpoint(accelerator, path: Path, expected: TrainerState) -> TrainerState:
-    """Restore model, optimiser, scheduler and RNG states on every process; refuse an incompatible checkpoint.
-    `expected`: this run's global batch, process count and strategy."""
+    """Restore model, optimiser, scheduler and RNG states on every process; refuse a checkpoint this run (`expected`:
+    its global batch, process count and strategy) cannot resume. A whole model (one process, DDP), and FSDP2's shards
+    under FSDP2 (torch.distributed.checkpoint reshards them), resume on any process count; DeepSpeed's ZeRO
+    partitions (a file set per process) under that stage on as many processes as wrote them."""
     try:
         state = TrainerState(**json.loads((path / STATE_FILE).read_text()))
     except (ValueError, TypeError) as err:
@@ -138,30 +140,19 @@ def load_checkpoint(accelerator, path: Path, expected: TrainerState) -> TrainerS
             f"checkpoint {path} was trained with a global batch of {state.global_batch}, this run has "
             f"{expected.global_batch}; set --global_batch_size {state.global_batch} to resume it"
         )
-    check_same_sharding(path, state, expected)
+    resharded = state.strategy == "FSDP2"
+    same_sharding = state.strategy == expected.strategy and (resharded or state.world_size == expected.world_size)
+    whole_models = {state.strategy, expected.strategy} <= {"single process", "DDP"}
+    if not (same_sharding or whole_models or state.strategy is None):  # None: saved before strategies were recorded
+        where = "on any number of processes" if resharded else f"and --num_processes {state.world_size}"
+        raise UsageError(
+            f"checkpoint {path} was saved by {state.strategy} on {state.world_size} processes and this run is "
+            f"{expected.strategy} on {expected.world_size}; resume it with the accelerate config it was trained with "
+            f"{where}"
+        )
     try:
         accelerator.load_state(str(path))
     except Exception as err:  # torch, safetensors and pickle each raise their own kinds for a bad file
         message = one_line(err)[:300]
         raise UsageError(f"checkpoint {path} does not fit this model/optimiser or is damaged: {message}") from err
     return replace(state, world_size=expected.world_size, strategy=expected.strategy)  # this run's, from now
-
-
-UNSHARDED = ("single process", "DDP")  # checkpoints of a whole model: they load on any process count
-RESHARDED = ("FSDP2",)  # torch.distributed.checkpoint (DCP) reshards model and optimiser onto any process count
-
-
-def check_same_sharding(path: Path, saved: TrainerState, expected: TrainerState) -> None:
-    """A checkpoint resumes under a strategy that can read it: a whole model (one process, DDP) or FSDP2's DCP shards
-    (under FSDP2) on any process count; DeepSpeed's ZeRO partitions (a file set per process) under that stage on as
-    many processes as wrote them."""
-    if saved.strategy is None or (saved.strategy in UNSHARDED and expected.strategy in UNSHARDED):
-        return  # whole-model checkpoints (or one written before strategies were recorded)
-    if saved.strategy == expected.strategy and (saved.strategy in RESHARDED or saved.world_size == expected.world_size):
-        return
-    where = "on any number of processes" if saved.strategy in RESHARDED else f"and --num_processes {saved.world_size}"
-    raise UsageError(
-        f"checkpoint {path} was saved by {saved.strategy} on {saved.world_size} processes and this run is "
-        f"{expected.strategy} on {expected.world_size}; resume it with the accelerate config it was trained with "
-        f"{where}"
-    )

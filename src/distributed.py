@@ -1,9 +1,6 @@
 """Build the Accelerator so one command trains the same way on CPU, one GPU or N processes (docs/how_it_works.md).
-Without GPUs, a plain `Accelerator()` under `accelerate launch --multi_gpu` or `torchrun` starts N processes that
-never form a group (N independent trainings, silently): `cpu=True` gives real gloo DDP, and a launcher's world size
-that differs from the group's is refused. Accumulation follows from `global_batch_size` and the seedable sampler
-fixes the data order, so neither changes with the process count.
-"""
+Without GPUs a plain `Accelerator()` under a multi-process launch forms no group (N independent trainings, silently):
+`cpu=True` gives gloo DDP, and a launcher's world size that differs from the group's is refused."""
 
 import logging
 import os
@@ -58,10 +55,9 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
             # sync_with_dataloader=False: the loop runs whole accumulation windows only, so no partial window at
             # an epoch's end makes an extra, smaller optimiser step that a different process count would not make
             gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=accumulation, sync_with_dataloader=False),
-            # non_blocking: a batch's copy to the GPU (from pinned memory, see data.py) does not wait for it, so
-            # the next batch is fetched and copied while the GPU still computes the current one
-            # dispatch_batches=False: a streamed train set (--streaming) is read by every process, which keeps
-            # its slice of each batch, on any device (the default would dispatch from the main process on GPUs only)
+            # non_blocking: a batch's copy to the GPU (from pinned memory, see data.py) overlaps the current step;
+            # dispatch_batches=False: every process reads a streamed train set (--streaming) and keeps its slice of
+            # each batch, on any device (the default would dispatch from the main process on GPUs only)
             dataloader_config=DataLoaderConfiguration(
                 use_seedable_sampler=True, non_blocking=not use_cpu, dispatch_batches=False
             ),
@@ -142,9 +138,8 @@ def end_training(accelerator) -> None:
 
 
 def let_gloo_settle(accelerator) -> None:
-    """A moment with the GIL released after the last collective, on N processes. Gloo's worker threads destroy each
-    finished work, whose tensors' Python objects need the GIL; the DDP model freed as the run returns destroys the
-    process group, which joins those threads while holding the GIL (pytorch#56297): a worker still waiting for it
-    hangs the process for good (seen at the end of 2-process CPU runs, with py-spy). 50 ms narrows the race to a
-    worker kept off the CPU that long (no test can force it). A run that stops early gets it in errors.command_line."""
+    """50 ms with the GIL released after the last collective, on N processes: the DDP model freed as the run returns
+    destroys gloo's process group, which joins its threads holding the GIL while one may still need it, a hang for
+    good (pytorch#56297, docs/how_it_works.md; 50 ms narrows the race, no test can force it). A run that stops early
+    gets it in errors.command_line."""
     let_threads_settle(accelerator.num_processes)

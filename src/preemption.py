@@ -14,15 +14,10 @@ from src.errors import EXIT_LAUNCHER_GONE, is_main_process, say
 
 
 class LauncherWatch:
-    """A thread that stops this process within seconds of its launcher's death.
-
-    torch elastic (`accelerate launch`, torchrun) starts each rank in a session of its own, so a launcher killed with
-    SIGKILL takes none of them along: they would train on beside a second run on the same folder, or wait forever in
-    a collective for a rank that died. The launcher's agent is this rank's parent: when the parent changes, it is gone.
-    The training loop then saves a preemption checkpoint at its next step boundary, and at most GRACE_S later the
-    process exits whatever it is doing (the next run removes a half-written checkpoint). Polling, not
-    prctl(PR_SET_PDEATHSIG): that is Linux-only, fires when the *thread* that forked the rank exits, and races with a
-    parent that died before the rank set it."""
+    """A thread that stops this process within seconds of its launcher's death (docs/resume.md). torch elastic starts
+    each rank in a session of its own, so a launcher killed with SIGKILL takes none along; its agent is this rank's
+    parent, so a new parent means it is gone. Polling, not prctl(PR_SET_PDEATHSIG): that is Linux-only, fires when the
+    *thread* that forked the rank exits, and races with a parent that died before the rank set it."""
 
     POLL_S = 0.5
     GRACE_S = 5.0  # for the preemption checkpoint; a new launch on the folder is still importing torch by then
@@ -61,13 +56,12 @@ def watch_launcher() -> None:
         _watch = LauncherWatch(os.getppid())
 
 
-class PreemptionSignals:
+class PreemptionSignals(contextlib.AbstractContextManager):
     """SIGTERM / SIGUSR1, or the launcher's death, ask for a checkpoint at a step boundary. Processes may receive the
-    signal at different steps, so they agree on when to save: every `every`-th step starts an all-reduce of the flag in
-    the background on a CPU (gloo) group and reads the one started `every` steps earlier, so every process sees the same
-    sum at the same step and no step waits for the network. On GPUs that is every step; CPU processes agree every 10
-    steps (gloo's background work takes cores from training, docs/resume.md). One process needs no agreement.
-    """
+    signal at different steps, so every `every`-th step starts an all-reduce of the flag in the background on a CPU
+    (gloo) group and reads the one started `every` steps earlier: every process sees the same sum at the same step and
+    no step waits for the network. On GPUs that is every step; CPU processes agree every 10 steps (gloo's background
+    work takes cores from training, docs/resume.md). One process needs no agreement."""
 
     CPU_EVERY = 10
     SIGNALS = ("SIGTERM", "SIGUSR1")
@@ -105,9 +99,6 @@ class PreemptionSignals:
         self.flag = torch.tensor([float(self.received)])
         self.pending = torch.distributed.all_reduce(self.flag, group=self.group, async_op=True)
         return agreed
-
-    def __enter__(self):
-        return self
 
     def __exit__(self, error_type, error, traceback):
         """Restore the handlers we replaced, also when training raised: a notebook's kernel keeps its own."""

@@ -67,15 +67,12 @@ def trained_any_step(output_dir: Path) -> bool:
     if (output_dir / CHECKPOINTS_DIR).is_dir() or (output_dir / MODEL_DIR).exists():
         return True
     metrics = output_dir / METRICS_FILE
-    if not metrics.is_file():
-        return False
-    for line in metrics.read_text().splitlines():
-        try:
-            if json.loads(line).get("step", 0) > 0:
-                return True
-        except ValueError:
-            return True  # not ours to judge: keep it
-    return False
+    try:
+        return metrics.is_file() and any(
+            json.loads(line).get("step", 0) > 0 for line in metrics.read_text().splitlines()
+        )
+    except ValueError:
+        return True  # a line that is not ours to judge: keep the run
 
 
 def write_atomically(accelerator, path: Path, text: str) -> None:

@@ -1,9 +1,6 @@
-"""The parallel strategy an accelerate config asks for, what this machine can't give it, and FSDP2 on CPU processes
-(over gloo), so that CI proves it without GPUs. DeepSpeed is a feature's (src/features/deepspeed/), reached through the
-same calls. `accelerate launch --config_file X.yaml` passes the config as environment variables (ACCELERATE_USE_FSDP,
-FSDP_*, ...). `AcceleratorState.__init__` switches to FSDP only for MULTI_GPU/NPU/XPU/..., never MULTI_CPU
-(accelerate/state.py), so with `cpu=True` the FSDP plugin is dropped and the model silently becomes DDP:
-`enable_fsdp_on_cpu` makes that switch, and fails with one line if a future Accelerate no longer takes it.
+"""The parallel strategy an accelerate config asks for (`accelerate launch` passes it as ACCELERATE_USE_FSDP, FSDP_*,
+... variables), what this machine can't give it, and FSDP2 on CPU processes, so that CI proves it without GPUs
+(docs/sharded.md). DeepSpeed is a feature's (src/features/deepspeed/), reached through the same calls.
 """
 
 import os
@@ -72,9 +69,10 @@ def process_group_options(options: dict) -> dict:
 
 
 def enable_fsdp_on_cpu(accelerator, plugin) -> None:
-    """Make a MULTI_CPU Accelerator an FSDP2 one, as accelerate/state.py does for GPUs: distributed type FSDP in both
-    shared states (AcceleratorState copies PartialState's; later lookups read either), the plugin kept, its mixed
-    precision set."""
+    """Make a MULTI_CPU Accelerator an FSDP2 one. `AcceleratorState.__init__` switches to FSDP only for MULTI_GPU/NPU/
+    XPU/..., never MULTI_CPU (accelerate/state.py), so with `cpu=True` the plugin is dropped and the model silently
+    becomes DDP. This makes that switch in both shared states (AcceleratorState copies PartialState's; later lookups
+    read either), keeps the plugin, sets its mixed precision, and checks that the switch held."""
     from accelerate import PartialState
     from accelerate.utils import DistributedType
 
