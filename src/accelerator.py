@@ -76,6 +76,5 @@ def keep_freed_host_memory() -> None:
     if platform.libc_ver()[0] != "glibc" or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
         return
     mallopt = ctypes.CDLL(None).mallopt  # the C library this process runs on
-    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
-    mallopt(m_mmap_threshold, 32 << 20)  # blocks under 32 MB from the heap (glibc's maximum; its default moves)
-    mallopt(m_trim_threshold, 1 << 30)  # up to 1 GB free at the heap's top kept
+    mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: blocks under 32 MB from the heap (glibc's maximum; its default moves)
+    mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: up to 1 GB free at the heap's top kept

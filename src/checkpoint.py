@@ -1,8 +1,7 @@
 """Checkpoints and exact resume: `output_dir/checkpoints/step_<N>/` holds `accelerator.save_state` (model, optimiser,
 LR scheduler, every process's RNG states), `trainer_state.json` and the resolved `config.yaml`. It is written under a
 temporary name and renamed when complete: a kill during a write never leaves a "latest" that fails to load. The
-position in data of known length follows from the step (src/batches.py's `DataPosition`); a stream's is saved.
-"""
+position in data of known length follows from the step (src/batches.py's `DataPosition`); a stream's is saved."""
 
 import json
 import logging
@@ -103,8 +102,7 @@ def save_checkpoint(accelerator, config: TrainConfig, state: TrainerState, expor
             "Free disk space (or lower --save_total_limit) and resume with --resume_from_checkpoint latest"
         )
     if accelerator.is_main_process:
-        if final.exists():  # re-saving a step (e.g. a resumed run that stops where it started)
-            shutil.rmtree(final)
+        shutil.rmtree(final, ignore_errors=True)  # re-saving a step (e.g. a resumed run that stops where it started)
         os.replace(partial, final)  # atomic on one file system: the checkpoint appears whole or not at all
         rotate_checkpoints(Path(config.output_dir), config.save_total_limit, keep_step=state.best_model_step)
     accelerator.wait_for_everyone()

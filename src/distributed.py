@@ -6,6 +6,8 @@ import logging
 import os
 
 import torch
+from accelerate import DataLoaderConfiguration, PartialState
+from accelerate.utils import GradientAccumulationPlugin
 from torch import nn
 
 from src.accelerator import Accelerator, keep_freed_host_memory
@@ -22,9 +24,6 @@ def has_accelerator() -> bool:
 
 
 def build_accelerator(config: TrainConfig, log_with: list | None = None):
-    from accelerate import DataLoaderConfiguration, PartialState
-    from accelerate.utils import GradientAccumulationPlugin
-
     watch_launcher()  # a rank never outlives its launcher (src/preemption.py)
     use_cpu = not has_accelerator()
     check_launch(use_cpu, config)
@@ -108,13 +107,10 @@ def sync_batchnorm(model: nn.Module, accelerator) -> nn.Module:
         # Each micro-batch is normalised by its own statistics, so how the global batch is cut changes training:
         # 1 process x 64 and 2 x 32 (synchronised) agree, 1 x 32 accumulated twice does not (docs/how_it_works.md)
         logger.warning(
-            "the model has BatchNorm and each optimiser step accumulates %d micro-batches: its statistics are those of "
-            "one micro-batch, so another process count or per-device batch trains differently; use a per-device batch "
-            "%d times as large (--global_batch_size / %d processes: no accumulation), or GroupNorm (digits: --norm "
-            "group)",
-            accumulation,
-            accumulation,
-            accelerator.num_processes,
+            f"the model has BatchNorm and each optimiser step accumulates {accumulation} micro-batches: its statistics "
+            "are those of one micro-batch, so another process count or per-device batch trains differently; use a "
+            f"per-device batch {accumulation} times as large (--global_batch_size / {accelerator.num_processes} "
+            "processes: no accumulation), or GroupNorm (digits: --norm group)"
         )
     if not batchnorms or accelerator.num_processes == 1:
         return model
@@ -122,17 +118,14 @@ def sync_batchnorm(model: nn.Module, accelerator) -> nn.Module:
         return nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if not all(isinstance(m, SynchronisedBatchNorm) for m in batchnorms):
         logger.warning(
-            "BatchNorm statistics are per process: no synchronised BatchNorm on %s, so this %d-process run normalises "
-            "each process's batch separately (the sync_batchnorm feature synchronises it on CPU processes; or use "
-            "--norm group for identical results).",
-            accelerator.device.type,
-            accelerator.num_processes,
+            f"BatchNorm statistics are per process: no synchronised BatchNorm on {accelerator.device.type}, so this "
+            f"{accelerator.num_processes}-process run normalises each process's batch separately (the sync_batchnorm "
+            "feature synchronises it on CPU processes; or use --norm group for identical results)."
         )
     return model
 
 
 def end_training(accelerator) -> None:
-    """`accelerator.end_training()` (trackers closed, process group destroyed), then let_gloo_settle."""
     accelerator.end_training()
     let_gloo_settle(accelerator)
 

@@ -1,7 +1,4 @@
-"""The run directory (`output_dir`): the names of what a run writes there, and getting it ready without losing a run.
-
-output_dir/config.yaml  metrics.jsonl  checkpoints/step_<N>/  model/  eval_results.json  predictions.jsonl
-"""
+"""The run directory (`output_dir`): the names of what a run writes there, and getting it ready without losing a run."""
 
 import json
 import logging

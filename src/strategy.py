@@ -1,10 +1,11 @@
 """The parallel strategy an accelerate config asks for (`accelerate launch` passes it as ACCELERATE_USE_FSDP, FSDP_*,
 ... variables), what this machine can't give it, and FSDP2 on CPU processes, so that CI proves it without GPUs
-(docs/sharded.md). DeepSpeed is a feature's (src/features/deepspeed/), reached through the same calls.
-"""
+(docs/sharded.md). DeepSpeed is a feature's (src/features/deepspeed/), reached through the same calls."""
 
 import os
 
+from accelerate import PartialState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
 from torch import nn
 
 from src import features
@@ -54,16 +55,12 @@ def accelerator_options(use_cpu: bool, config) -> dict:
     if strategy == DEEPSPEED:
         raise LaunchError("the accelerate config asks for DeepSpeed, which this project does not include; use FSDP")
     if strategy == FSDP and use_cpu:
-        from accelerate.utils import FullyShardedDataParallelPlugin
-
         return {"cpu": True, "fsdp_plugin": FullyShardedDataParallelPlugin()}
     return {"cpu": use_cpu}
 
 
 def process_group_options(options: dict) -> dict:
     """`PartialState`'s arguments (it forms the group before the Accelerator exists): `cpu` and a strategy's backend."""
-    from accelerate.utils import InitProcessGroupKwargs
-
     backends = [h.backend for h in options.get("kwargs_handlers", []) if isinstance(h, InitProcessGroupKwargs)]
     return {"cpu": options["cpu"], **({"backend": backends[0]} if backends else {})}
 
@@ -73,9 +70,6 @@ def enable_fsdp_on_cpu(accelerator, plugin) -> None:
     XPU/..., never MULTI_CPU (accelerate/state.py), so with `cpu=True` the plugin is dropped and the model silently
     becomes DDP. This makes that switch in both shared states (AcceleratorState copies PartialState's; later lookups
     read either), keeps the plugin, sets its mixed precision, and checks that the switch held."""
-    from accelerate import PartialState
-    from accelerate.utils import DistributedType
-
     state = accelerator.state
     if state.distributed_type != DistributedType.MULTI_CPU:
         raise LaunchError(
