@@ -1,9 +1,9 @@
-"""Accelerate's `Accelerator`, with the loop's per-step calls costing no more than plain torch calls. In a plain run
-(one process or DDP, no fp16 grad scaler) `accumulate`, `backward`, `clip_grad_norm_` and the optimizer's `step` and
-`zero_grad` skip upstream's checks that have nothing to do and cost about a tiny model's whole step (docs/benchmark.md);
-otherwise every call is Accelerate's own. tests/test_accelerator.py checks each gives upstream's."""
+"""Accelerate's `Accelerator`, its per-step calls as cheap as plain torch's: in a plain run (one process or DDP, no fp16
+grad scaler) they skip upstream's checks that have nothing to do and cost about a tiny model's whole step
+(docs/benchmark.md); otherwise every call is Accelerate's own. tests/test_accelerator.py checks they give the same."""
 
 import contextlib
+import ctypes
 import math
 import os
 import platform
@@ -44,8 +44,7 @@ class Accelerator(accelerate.Accelerator):
             norm = super().clip_grad_norm_(parameters, max_norm, norm_type)
             return None if norm is None else torch.as_tensor(norm)  # DeepSpeed gives a float
         if max_norm == math.inf:
-            grads = [p.grad for p in parameters if p.grad is not None]
-            return torch.nn.utils.get_total_norm(grads, norm_type)
+            return torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None], norm_type)
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement=None):
@@ -69,10 +68,7 @@ class PlainOptimizer(AcceleratedOptimizer):
 
 def keep_freed_host_memory() -> None:
     """On the CPU, keep glibc's malloc from returning each step's freed activations to the OS only to page-fault them
-    in again at the next step (docs/benchmark.md). Peak memory is unchanged. glibc only, and not when GLIBC_TUNABLES
-    sets malloc options (yours win)."""
-    import ctypes
-
+    in again at the next step (docs/benchmark.md). Not when GLIBC_TUNABLES sets malloc options: yours win."""
     if platform.libc_ver()[0] != "glibc" or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
         return
     mallopt = ctypes.CDLL(None).mallopt  # the C library this process runs on

@@ -1,7 +1,6 @@
 """Checkpoints and exact resume: `output_dir/checkpoints/step_<N>/` holds `accelerator.save_state` (model, optimiser,
-LR scheduler, every process's RNG states), `trainer_state.json` and the resolved `config.yaml`. It is written under a
-temporary name and renamed when complete: a kill during a write never leaves a "latest" that fails to load. The
-position in data of known length follows from the step (src/batches.py's `DataPosition`); a stream's is saved."""
+LR scheduler, every process's RNG states), `trainer_state.json` and the resolved `config.yaml`. The position in data of
+known length follows from the step (src/batches.py's `DataPosition`); a stream's is saved."""
 
 import json
 import logging
@@ -38,8 +37,10 @@ class TrainerState:
 
 
 def resume(accelerator, config: TrainConfig, fresh: TrainerState) -> tuple[TrainerState, bool]:
-    """`--resume_from_checkpoint latest | <path>`: (the checkpoint's state, True) once it is loaded on every process;
-    (`fresh`, False) without a checkpoint to resume."""
+    """`--resume_from_checkpoint latest | <path>`: (its state, True) once it is loaded on every process, or (`fresh`,
+    False). Refused: another global batch than `fresh`'s, or a strategy that can't read it. A whole model (one process,
+    DDP), and FSDP2's shards under FSDP2 (torch.distributed.checkpoint reshards them), resume on any process count;
+    DeepSpeed's ZeRO partitions (a file set per process) under that stage on as many processes as wrote them."""
     if not config.resume_from_checkpoint:
         return fresh, False
     path = Path(config.resume_from_checkpoint)
@@ -54,9 +55,32 @@ def resume(accelerator, config: TrainConfig, fresh: TrainerState) -> tuple[Train
             f"--resume_from_checkpoint {path} is not a complete checkpoint (no {STATE_FILE}); "
             f"use a checkpoints/step_<N> folder or 'latest'"
         )
-    state = load_checkpoint(accelerator, path, expected=fresh)
+    try:
+        state = TrainerState(**json.loads((path / STATE_FILE).read_text()))
+    except (ValueError, TypeError) as err:
+        raise UsageError(f"checkpoint {path} is corrupt ({STATE_FILE}: {err}); resume from another one") from err
+    if state.global_batch != fresh.global_batch:
+        raise UsageError(
+            f"checkpoint {path} was trained with a global batch of {state.global_batch}, this run has "
+            f"{fresh.global_batch}; set --global_batch_size {state.global_batch} to resume it"
+        )
+    resharded = state.strategy == "FSDP2"
+    same_sharding = state.strategy == fresh.strategy and (resharded or state.world_size == fresh.world_size)
+    whole_models = {state.strategy, fresh.strategy} <= {"single process", "DDP"}
+    if not (same_sharding or whole_models or state.strategy is None):  # None: saved before strategies were recorded
+        where = "on any number of processes" if resharded else f"and --num_processes {state.world_size}"
+        raise UsageError(
+            f"checkpoint {path} was saved by {state.strategy} on {state.world_size} processes and this run is "
+            f"{fresh.strategy} on {fresh.world_size}; resume it with the accelerate config it was trained with "
+            f"{where}"
+        )
+    try:
+        accelerator.load_state(str(path))
+    except Exception as err:  # torch, safetensors and pickle each raise their own kinds for a bad file
+        message = one_line(err)[:300]
+        raise UsageError(f"checkpoint {path} does not fit this model/optimiser or is damaged: {message}") from err
     logger.info("resuming from %s at step %d", path, state.step)
-    return state, True
+    return replace(state, world_size=fresh.world_size, strategy=fresh.strategy), True  # this run's, from now
 
 
 def checkpoint_step(path: Path) -> int:
@@ -74,9 +98,8 @@ def complete_checkpoints(output_dir: Path) -> list[Path]:
 
 
 def save_checkpoint(accelerator, config: TrainConfig, state: TrainerState, export=None) -> Path:
-    """All processes call this (DeepSpeed and FSDP save shards from every rank); it returns once the rename is done.
-    `export(directory)`, if given, also writes the model in the task's own format into model/. A failed write (disk
-    full, quota) on any process stops every process with an error, the partial folder removed, older ones untouched."""
+    """Every process calls this (sharded strategies save from each); `export(directory)` also writes the task's own
+    model format into model/. A failed write on any process stops all, the partial folder removed, older ones intact."""
     final = checkpoint_dir(config.output_dir, state.step)
     partial = final.with_name(TMP_PREFIX + final.name)
     if accelerator.is_main_process:
@@ -122,35 +145,3 @@ def rotate_checkpoints(output_dir: Path, keep: int | None, keep_step: int | None
         for old in complete_checkpoints(output_dir)[:-keep]:
             if checkpoint_step(old) != keep_step:
                 shutil.rmtree(old)
-
-
-def load_checkpoint(accelerator, path: Path, expected: TrainerState) -> TrainerState:
-    """Restore model, optimiser, scheduler and RNG states on every process; refuse a checkpoint this run (`expected`:
-    its global batch, process count and strategy) cannot resume. A whole model (one process, DDP), and FSDP2's shards
-    under FSDP2 (torch.distributed.checkpoint reshards them), resume on any process count; DeepSpeed's ZeRO
-    partitions (a file set per process) under that stage on as many processes as wrote them."""
-    try:
-        state = TrainerState(**json.loads((path / STATE_FILE).read_text()))
-    except (ValueError, TypeError) as err:
-        raise UsageError(f"checkpoint {path} is corrupt ({STATE_FILE}: {err}); resume from another one") from err
-    if state.global_batch != expected.global_batch:
-        raise UsageError(
-            f"checkpoint {path} was trained with a global batch of {state.global_batch}, this run has "
-            f"{expected.global_batch}; set --global_batch_size {state.global_batch} to resume it"
-        )
-    resharded = state.strategy == "FSDP2"
-    same_sharding = state.strategy == expected.strategy and (resharded or state.world_size == expected.world_size)
-    whole_models = {state.strategy, expected.strategy} <= {"single process", "DDP"}
-    if not (same_sharding or whole_models or state.strategy is None):  # None: saved before strategies were recorded
-        where = "on any number of processes" if resharded else f"and --num_processes {state.world_size}"
-        raise UsageError(
-            f"checkpoint {path} was saved by {state.strategy} on {state.world_size} processes and this run is "
-            f"{expected.strategy} on {expected.world_size}; resume it with the accelerate config it was trained with "
-            f"{where}"
-        )
-    try:
-        accelerator.load_state(str(path))
-    except Exception as err:  # torch, safetensors and pickle each raise their own kinds for a bad file
-        message = one_line(err)[:300]
-        raise UsageError(f"checkpoint {path} does not fit this model/optimiser or is damaged: {message}") from err
-    return replace(state, world_size=expected.world_size, strategy=expected.strategy)  # this run's, from now

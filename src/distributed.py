@@ -54,9 +54,8 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
             # sync_with_dataloader=False: the loop runs whole accumulation windows only, so no partial window at
             # an epoch's end makes an extra, smaller optimiser step that a different process count would not make
             gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=accumulation, sync_with_dataloader=False),
-            # non_blocking: a batch's copy to the GPU (from pinned memory, see data.py) overlaps the current step;
-            # dispatch_batches=False: every process reads a streamed train set (--streaming) and keeps its slice of
-            # each batch, on any device (the default would dispatch from the main process on GPUs only)
+            # non_blocking: a batch's copy to the GPU (from pinned memory) overlaps the step; dispatch_batches=False:
+            # every process reads a streamed train set and keeps its slice (the default: the main one, on GPUs)
             dataloader_config=DataLoaderConfiguration(
                 use_seedable_sampler=True, non_blocking=not use_cpu, dispatch_batches=False
             ),
@@ -76,9 +75,8 @@ def usable_cores() -> int:
 
 
 def summed_loss_scale(accelerator, task, window: list) -> torch.Tensor:
-    """For a task whose loss() is a sum: processes x accumulation / the terms of the whole global batch (the window's
-    micro-batches, all-reduced as an exact integer sum). Scaled by it, the gradient is that of the global batch's mean
-    term on any process count (accumulation and DDP average over the micro-batches, as for a mean)."""
+    """For a loss() that is a sum: processes x accumulation / the terms in the whole global batch (an exact integer
+    all-reduce). Accumulation and DDP average, so the gradient is that of the batch's mean term on any process count."""
     counted = torch.as_tensor(sum(task.count_items(batch) for batch in window), device=accelerator.device)
     items = accelerator.reduce(counted.long(), reduction="sum").float()
     return accelerator.num_processes * accelerator.gradient_accumulation_steps / items.clamp_min(1)
@@ -99,8 +97,8 @@ class SynchronisedBatchNorm(nn.modules.batchnorm._BatchNorm):
 
 
 def sync_batchnorm(model: nn.Module, accelerator) -> nn.Module:
-    """BatchNorm statistics over the whole global micro-batch on N processes: nn.SyncBatchNorm on CUDA. torch has
-    none for CPU processes: there the sync_batchnorm feature's layers (from `Feature.adapt_model`, called first)."""
+    """BatchNorm statistics over the global micro-batch: nn.SyncBatchNorm on CUDA, the sync_batchnorm feature's on CPU
+    processes (torch has none; `Feature.adapt_model` runs first). Warns where they stay per process or micro-batch."""
     batchnorms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     accumulation = accelerator.gradient_accumulation_steps
     if batchnorms and accumulation > 1:
@@ -132,7 +130,6 @@ def end_training(accelerator) -> None:
 
 def let_gloo_settle(accelerator) -> None:
     """50 ms with the GIL released after the last collective, on N processes: the DDP model freed as the run returns
-    destroys gloo's process group, which joins its threads holding the GIL while one may still need it, a hang for
-    good (pytorch#56297, docs/how_it_works.md; 50 ms narrows the race, no test can force it). A run that stops early
-    gets it in errors.command_line."""
+    destroys gloo's group, which joins its threads holding the GIL while one may still need it: a hang for good
+    (pytorch#56297, docs/how_it_works.md; no test can force it). errors.command_line does it for a run stopped early."""
     let_threads_settle(accelerator.num_processes)

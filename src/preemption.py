@@ -20,28 +20,24 @@ _launcher_listeners: list = []  # PreemptionSignals' while a training loop runs
 
 
 def watch_launcher() -> None:
-    """In a rank that torch elastic started, once per process: a thread that stops it within seconds of its launcher's
-    death (docs/resume.md). torch elastic starts each rank in a session of its own, so a launcher killed with SIGKILL
-    takes none along; its agent is this rank's parent, so a new parent means it is gone. Polling, not
-    prctl(PR_SET_PDEATHSIG): that is Linux-only, fires when the *thread* that forked the rank exits, and races with a
-    parent that died before the rank set it."""
+    """In a rank torch elastic started (each in a session of its own, so a launcher killed with SIGKILL takes none
+    along), once: a thread that stops the rank within seconds of its parent, the launcher's agent, changing
+    (docs/resume.md). Polling, not prctl(PR_SET_PDEATHSIG): that is Linux-only, fires when the *thread* that forked
+    the rank exits, and races with a parent that died before the rank set it."""
     if not _watching.is_set() and "TORCHELASTIC_RUN_ID" in os.environ and "WORLD_SIZE" in os.environ:
         _watching.set()
         threading.Thread(target=watch, args=(os.getppid(),), name="launcher-watch", daemon=True).start()
 
 
 def watch(launcher: int) -> None:
-    """Once the launcher is gone: a preemption checkpoint if a training loop runs, at most GRACE_S, then exit."""
     while os.getppid() == launcher:
         time.sleep(POLL_S)
     _launcher_gone.set()
     listeners = list(_launcher_listeners)
+    then = f"saving a checkpoint, then stopping (at most {GRACE_S:g} s)" if listeners else "stopping"
     if is_main_process():
         with contextlib.suppress(OSError):  # the launcher's pipe may be gone with it
-            say(
-                f"the launcher (pid {launcher}) exited: "
-                + (f"saving a checkpoint, then stopping (at most {GRACE_S:g} s)" if listeners else "stopping")
-            )
+            say(f"the launcher (pid {launcher}) exited: {then}")
     for listener in listeners:
         listener()
     if listeners:
@@ -50,11 +46,10 @@ def watch(launcher: int) -> None:
 
 
 class PreemptionSignals(contextlib.AbstractContextManager):
-    """SIGTERM / SIGUSR1, or the launcher's death, ask for a checkpoint at a step boundary. Processes may receive the
-    signal at different steps, so every `every`-th step starts an all-reduce of the flag in the background on a CPU
-    (gloo) group and reads the one started `every` steps earlier: every process sees the same sum at the same step and
-    no step waits for the network. On GPUs that is every step; CPU processes agree every 10 steps (gloo's background
-    work takes cores from training, docs/resume.md). One process needs no agreement."""
+    """SIGTERM / SIGUSR1, or the launcher's death, ask for a checkpoint at a step boundary. Processes may be signalled
+    at different steps, so every `every`-th step starts a background all-reduce of the flag on a gloo group and reads
+    the one started `every` steps earlier: all see the same sum at the same step, and no step waits for the network.
+    `every` is 1 on GPUs, 10 on CPU processes (gloo's background work takes cores from training, docs/resume.md)."""
 
     CPU_EVERY = 10
 
@@ -71,7 +66,7 @@ class PreemptionSignals(contextlib.AbstractContextManager):
             self.handle()
         if not self.alone:
             self.group = torch.distributed.new_group(backend="gloo")  # a CPU flag: no device sync per step
-            self.flag, self.pending = torch.zeros(1), None
+            self.pending = None  # the all-reduce in flight, of self.flag
             self.every = self.CPU_EVERY if accelerator.device.type == "cpu" else 1
 
     def handle(self, *signal_and_frame):

@@ -29,8 +29,7 @@ TMP_PREFIX = ".tmp_"
 
 def prepare_output_dir(accelerator, config: TrainConfig, resume_step: int | None) -> Path:
     """Every process checks, then the main process writes: a refused run leaves every file as it was. A previous run
-    that never finished an optimiser step holds nothing worth keeping: it is replaced, so the same command can simply
-    be run again."""
+    that never finished an optimiser step holds nothing worth keeping: it is replaced, so the same command reruns."""
     output_dir = Path(config.output_dir)
     artifacts = [*RUN_ARTIFACTS, config.project_name]  # tensorboard logs go to output_dir/project_name
     previous = [name for name in artifacts if (output_dir / name).exists()]

@@ -16,10 +16,8 @@ FSDP, DEEPSPEED = "FSDP", "DEEPSPEED"
 
 def requested_strategy() -> str | None:
     """FSDP or DEEPSPEED when the accelerate config asks for one, else None (DDP, or one process)."""
-    for name in (FSDP, DEEPSPEED):
-        if os.environ.get(f"ACCELERATE_USE_{name}", "").lower() == "true":
-            return name
-    return None
+    asked = [name for name in (FSDP, DEEPSPEED) if os.environ.get(f"ACCELERATE_USE_{name}", "").lower() == "true"]
+    return asked[0] if asked else None
 
 
 def check_launch(use_cpu: bool, config=None) -> None:
@@ -46,8 +44,7 @@ def check_launch(use_cpu: bool, config=None) -> None:
 
 
 def accelerator_options(use_cpu: bool, config) -> dict:
-    """The Accelerator's arguments that depend on the strategy: `cpu`, and FSDP's plugin on CPU processes (it reads
-    the FSDP_* variables), or what a feature gives for its strategy (DeepSpeed)."""
+    """The Accelerator's strategy arguments: `cpu`, FSDP's plugin on CPU processes, or a feature's (DeepSpeed)."""
     options = features.installed().accelerator_options(use_cpu, config)
     if options is not None:
         return options
@@ -66,10 +63,9 @@ def process_group_options(options: dict) -> dict:
 
 
 def enable_fsdp_on_cpu(accelerator, plugin) -> None:
-    """Make a MULTI_CPU Accelerator an FSDP2 one. `AcceleratorState.__init__` switches to FSDP only for MULTI_GPU/NPU/
-    XPU/..., never MULTI_CPU (accelerate/state.py), so with `cpu=True` the plugin is dropped and the model silently
-    becomes DDP. This makes that switch in both shared states (AcceleratorState copies PartialState's; later lookups
-    read either), keeps the plugin, sets its mixed precision, and checks that the switch held."""
+    """Make a MULTI_CPU Accelerator an FSDP2 one. `AcceleratorState.__init__` switches to FSDP for GPU-like types only
+    (accelerate/state.py): with `cpu=True` the plugin is dropped and the model silently becomes DDP. This switches
+    both shared states (AcceleratorState copies PartialState's; later lookups read either) and checks it held."""
     state = accelerator.state
     if state.distributed_type != DistributedType.MULTI_CPU:
         raise LaunchError(
@@ -89,8 +85,7 @@ def enable_fsdp_on_cpu(accelerator, plugin) -> None:
 
 
 def prepare_needs_optimizer(accelerator) -> bool:
-    """Whether `accelerator.prepare` refuses a model without an optimizer (an eval-only run): FSDP2 and DeepSpeed
-    ZeRO-1/2 do; ZeRO-3 shards for inference without one (an optimizer would allocate its state)."""
+    """Whether `prepare` refuses a model without an optimizer (eval-only): FSDP2 and ZeRO-1/2 do; ZeRO-3 does not."""
     if accelerator.distributed_type.value == DEEPSPEED:
         return accelerator.state.deepspeed_plugin.zero_stage < 3
     return accelerator.is_fsdp2
