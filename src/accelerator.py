@@ -13,8 +13,7 @@ import accelerate
 import torch
 from accelerate.optimizer import AcceleratedOptimizer
 
-# Where Accelerate's per-step wrappers have no work to do (no sharding engine, no XLA graph to mark)
-PLAIN_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU")
+PLAIN_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU")  # no sharding engine or XLA graph for the wrappers to serve
 
 
 class Accelerator(accelerate.Accelerator):

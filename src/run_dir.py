@@ -62,11 +62,9 @@ def trained_any_step(output_dir: Path) -> bool:
     """Whether a run in output_dir got past its first optimiser step: a checkpoint, a model or a logged step."""
     if (output_dir / CHECKPOINTS_DIR).is_dir() or (output_dir / MODEL_DIR).exists():
         return True
-    metrics = output_dir / METRICS_FILE
+    path = output_dir / METRICS_FILE
     try:
-        return metrics.is_file() and any(
-            json.loads(line).get("step", 0) > 0 for line in metrics.read_text().splitlines()
-        )
+        return path.is_file() and any(json.loads(line).get("step", 0) > 0 for line in path.read_text().splitlines())
     except ValueError:
         return True  # a line that is not ours to judge: keep the run
 

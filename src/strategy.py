@@ -64,8 +64,9 @@ def process_group_options(options: dict) -> dict:
 
 def enable_fsdp_on_cpu(accelerator, plugin) -> None:
     """Make a MULTI_CPU Accelerator an FSDP2 one. `AcceleratorState.__init__` switches to FSDP for GPU-like types only
-    (accelerate/state.py): with `cpu=True` the plugin is dropped and the model silently becomes DDP. This switches
-    both shared states (AcceleratorState copies PartialState's; later lookups read either) and checks it held."""
+    (accelerate/state.py: `elif self.distributed_type in [DistributedType.MULTI_GPU, ...]`), so with `cpu=True` the
+    plugin is dropped and the model silently becomes DDP. This makes that switch in both shared states
+    (AcceleratorState copies PartialState's; later lookups read either), sets the plugin's precision, checks it held."""
     state = accelerator.state
     if state.distributed_type != DistributedType.MULTI_CPU:
         raise LaunchError(
