@@ -98,8 +98,8 @@ def complete_checkpoints(output_dir: Path) -> list[Path]:
 
 
 def save_checkpoint(accelerator, config: TrainConfig, state: TrainerState, export=None) -> Path:
-    """Every process calls this (sharded strategies save from each); `export(directory)` also writes the task's own
-    model format into model/. A failed write on any process stops all, the partial folder removed, older ones intact."""
+    """Every process calls this (sharded strategies save from each); it returns once the rename is done. `export(dir)`
+    also writes the task's own model format into model/. A failed write on any process stops all, older ones intact."""
     final = checkpoint_dir(config.output_dir, state.step)
     partial = final.with_name(TMP_PREFIX + final.name)
     if accelerator.is_main_process:
