@@ -1,28 +1,22 @@
-"""Accelerate's `Accelerator`, with the per-step calls the loop makes costing no more than plain torch calls.
-
-In a plain run (one process or DDP, no fp16 grad scaler) `accumulate`, `backward`, `clip_grad_norm_` and the prepared
-optimizer's `step`/`zero_grad` do checks that only cost time, about as much as a tiny model's whole step
-(docs/benchmark.md): a generator-based context per micro-batch, a division by 1, a scan for DTensor parameters,
-`inspect.signature` on every `zero_grad`. This subclass skips only those, behind the same names; under DeepSpeed,
-FSDP, XLA or a grad scaler every call is Accelerate's own. tests/test_accelerator.py checks each gives upstream's.
-"""
+"""Accelerate's `Accelerator`, its per-step calls as cheap as plain torch's: in a plain run (one process or DDP, no fp16
+grad scaler) they skip upstream's checks that have nothing to do and cost about a tiny model's whole step
+(docs/benchmark.md); otherwise every call is Accelerate's own. tests/test_accelerator.py checks they give the same."""
 
 import contextlib
+import ctypes
 import math
 import os
+import platform
 from collections.abc import Iterable
 
 import accelerate
 import torch
 from accelerate.optimizer import AcceleratedOptimizer
 
-# Where Accelerate's per-step wrappers have no work to do (no sharding engine, no XLA graph to mark)
-PLAIN_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU")
+PLAIN_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU")  # no sharding engine or XLA graph for the wrappers to serve
 
 
 class Accelerator(accelerate.Accelerator):
-    """`accelerate.Accelerator`; in a plain run its per-step calls skip the checks that have nothing to do."""
-
     @property
     def plain(self) -> bool:
         """One process or DDP without a grad scaler: backward, clipping and the optimizer need no wrapper. Read at
@@ -30,8 +24,7 @@ class Accelerator(accelerate.Accelerator):
         return self.distributed_type.value in PLAIN_TYPES and self.scaler is None and not self.has_lomo_optimizer
 
     def accumulate(self, *models):
-        """Upstream's context, except without accumulation: every micro-batch then ends a step, gradients always
-        sync (`sync_gradients` stays True), and the context would only cost time."""
+        """Without accumulation every micro-batch ends a step and gradients always sync: no context needed."""
         if self.gradient_state.num_steps == 1:
             return contextlib.nullcontext()
         return super().accumulate(*models)
@@ -44,15 +37,13 @@ class Accelerator(accelerate.Accelerator):
         (loss / steps if steps > 1 else loss).backward()
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2):
-        """The total gradient norm (of all-reduced gradients: the same on every process) as a tensor, or None where
-        DeepSpeed has none; gradients clipped to `max_norm`. `max_norm=math.inf` measures without clipping: no
-        multiplication of every gradient by 1."""
+        """The total norm of the all-reduced gradients as a tensor, or None where DeepSpeed has none; gradients clipped
+        to `max_norm`. `max_norm=math.inf` measures without clipping: no multiplication of every gradient by 1."""
         if not self.plain:
             norm = super().clip_grad_norm_(parameters, max_norm, norm_type)
             return None if norm is None else torch.as_tensor(norm)  # DeepSpeed gives a float
         if max_norm == math.inf:
-            grads = [p.grad for p in parameters if p.grad is not None]
-            return torch.nn.utils.get_total_norm(grads, norm_type)
+            return torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None], norm_type)
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement=None):
@@ -75,17 +66,10 @@ class PlainOptimizer(AcceleratedOptimizer):
 
 
 def keep_freed_host_memory() -> None:
-    """On the CPU, stop glibc's malloc from giving each step's freed activations back to the OS only to page-fault
-    them in again at the next step, which moves the speed of the same loop from process to process
-    (docs/benchmark.md): blocks under 32 MB come from the heap (glibc's default threshold starts at 128 KB and moves),
-    and up to 1 GB free at its top is kept. Peak memory is unchanged. glibc only, and not when GLIBC_TUNABLES sets
-    malloc options (yours win)."""
-    import ctypes
-
-    libc = os.confstr("CS_GNU_LIBC_VERSION") if "CS_GNU_LIBC_VERSION" in getattr(os, "confstr_names", {}) else ""
-    if not libc.startswith("glibc") or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+    """On the CPU, keep glibc's malloc from returning each step's freed activations to the OS only to page-fault them
+    in again at the next step (docs/benchmark.md). Not when GLIBC_TUNABLES sets malloc options: yours win."""
+    if platform.libc_ver()[0] != "glibc" or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
         return
     mallopt = ctypes.CDLL(None).mallopt  # the C library this process runs on
-    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
-    mallopt(m_mmap_threshold, 32 << 20)  # glibc's maximum
-    mallopt(m_trim_threshold, 1 << 30)
+    mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: blocks under 32 MB from the heap (glibc's maximum; its default moves)
+    mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: up to 1 GB free at the heap's top kept

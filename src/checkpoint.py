@@ -1,11 +1,6 @@
-"""Checkpoints and exact resume.
-
-A checkpoint is `output_dir/checkpoints/step_<N>/`: `accelerator.save_state` (model, optimiser, LR scheduler, every
-process's RNG states) plus `trainer_state.json` (step, partial loss window, batch geometry, tracker run id) and the
-resolved `config.yaml`, written under a temporary name and renamed when complete: a kill during a write never leaves
-a "latest" that fails to load. The position in data of known length follows from the step (src/batches.py's
-`DataPosition`); a stream's is saved.
-"""
+"""Checkpoints and exact resume: `output_dir/checkpoints/step_<N>/` holds `accelerator.save_state` (model, optimiser,
+LR scheduler, every process's RNG states), `trainer_state.json` and the resolved `config.yaml`. The position in data of
+known length follows from the step (src/batches.py's `DataPosition`); a stream's is saved."""
 
 import json
 import logging
@@ -42,32 +37,50 @@ class TrainerState:
 
 
 def resume(accelerator, config: TrainConfig, fresh: TrainerState) -> tuple[TrainerState, bool]:
-    """`--resume_from_checkpoint`: (the checkpoint's state, True) once its model, optimiser, scheduler and RNG
-    states are loaded on every process; (`fresh`, False) without a checkpoint to resume."""
-    checkpoint = find_resume_checkpoint(config)
-    if checkpoint is None:
-        return fresh, False
-    state = load_checkpoint(accelerator, checkpoint, expected=fresh)
-    logger.info("resuming from %s at step %d", checkpoint, state.step)
-    return state, True
-
-
-def find_resume_checkpoint(config: TrainConfig) -> Path | None:
-    """`--resume_from_checkpoint latest | <path>` -> a complete checkpoint, or None to start fresh."""
+    """`--resume_from_checkpoint latest | <path>`: (its state, True) once it is loaded on every process, or (`fresh`,
+    False). Refused: another global batch than `fresh`'s, or a strategy that can't read it. A whole model (one process,
+    DDP), and FSDP2's shards under FSDP2 (torch.distributed.checkpoint reshards them), resume on any process count;
+    DeepSpeed's ZeRO partitions (a file set per process) under that stage on as many processes as wrote them."""
     if not config.resume_from_checkpoint:
-        return None
+        return fresh, False
+    path = Path(config.resume_from_checkpoint)
     if config.resume_from_checkpoint == "latest":
         complete = complete_checkpoints(Path(config.output_dir))
         if not complete:
             logger.info("no checkpoint in %s yet: starting fresh", Path(config.output_dir) / CHECKPOINTS_DIR)
-        return complete[-1] if complete else None
-    path = Path(config.resume_from_checkpoint)
-    if not (path / STATE_FILE).is_file():
+            return fresh, False
+        path = complete[-1]
+    elif not (path / STATE_FILE).is_file():
         raise UsageError(
             f"--resume_from_checkpoint {path} is not a complete checkpoint (no {STATE_FILE}); "
             f"use a checkpoints/step_<N> folder or 'latest'"
         )
-    return path
+    try:
+        state = TrainerState(**json.loads((path / STATE_FILE).read_text()))
+    except (ValueError, TypeError) as err:
+        raise UsageError(f"checkpoint {path} is corrupt ({STATE_FILE}: {err}); resume from another one") from err
+    if state.global_batch != fresh.global_batch:
+        raise UsageError(
+            f"checkpoint {path} was trained with a global batch of {state.global_batch}, this run has "
+            f"{fresh.global_batch}; set --global_batch_size {state.global_batch} to resume it"
+        )
+    resharded = state.strategy == "FSDP2"
+    same_sharding = state.strategy == fresh.strategy and (resharded or state.world_size == fresh.world_size)
+    whole_models = {state.strategy, fresh.strategy} <= {"single process", "DDP"}
+    if not (same_sharding or whole_models or state.strategy is None):  # None: saved before strategies were recorded
+        where = "on any number of processes" if resharded else f"and --num_processes {state.world_size}"
+        raise UsageError(
+            f"checkpoint {path} was saved by {state.strategy} on {state.world_size} processes and this run is "
+            f"{fresh.strategy} on {fresh.world_size}; resume it with the accelerate config it was trained with "
+            f"{where}"
+        )
+    try:
+        accelerator.load_state(str(path))
+    except Exception as err:  # torch, safetensors and pickle each raise their own kinds for a bad file
+        message = one_line(err)[:300]
+        raise UsageError(f"checkpoint {path} does not fit this model/optimiser or is damaged: {message}") from err
+    logger.info("resuming from %s at step %d", path, state.step)
+    return replace(state, world_size=fresh.world_size, strategy=fresh.strategy), True  # this run's, from now
 
 
 def checkpoint_step(path: Path) -> int:
@@ -80,20 +93,15 @@ def checkpoint_dir(output_dir: Path, step: int) -> Path:
 
 def complete_checkpoints(output_dir: Path) -> list[Path]:
     """Oldest first. Only folders with a trainer state count: the rename happens after everything is written."""
-    root = output_dir / CHECKPOINTS_DIR
-    found = [p for p in root.glob("step_*") if (p / STATE_FILE).is_file()] if root.is_dir() else []
+    found = [p for p in (output_dir / CHECKPOINTS_DIR).glob("step_*") if (p / STATE_FILE).is_file()]
     return sorted(found, key=checkpoint_step)
 
 
 def save_checkpoint(accelerator, config: TrainConfig, state: TrainerState, export=None) -> Path:
-    """All processes call this (DeepSpeed and FSDP save shards from every rank); it returns once the rename is done.
-    `export(directory)`, if given, also writes the model in the task's own format into the checkpoint's model/. A
-    failed write (disk full, quota) on any process is agreed on by all, the partial folder is removed, and the run
-    stops with an error: the previous checkpoints were never touched.
-    """
+    """Every process calls this (sharded strategies save from each); it returns once the rename is done. `export(dir)`
+    also writes the task's own model format into model/. A failed write on any process stops all, older ones intact."""
     final = checkpoint_dir(config.output_dir, state.step)
-    root = final.parent
-    partial = root / f"{TMP_PREFIX}step_{state.step}"
+    partial = final.with_name(TMP_PREFIX + final.name)
     if accelerator.is_main_process:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
@@ -117,10 +125,9 @@ def save_checkpoint(accelerator, config: TrainConfig, state: TrainerState, expor
             "Free disk space (or lower --save_total_limit) and resume with --resume_from_checkpoint latest"
         )
     if accelerator.is_main_process:
-        if final.exists():  # re-saving a step (e.g. a resumed run that stops where it started)
-            shutil.rmtree(final)
+        shutil.rmtree(final, ignore_errors=True)  # re-saving a step (e.g. a resumed run that stops where it started)
         os.replace(partial, final)  # atomic on one file system: the checkpoint appears whole or not at all
-        rotate_checkpoints(root.parent, config.save_total_limit, keep_step=state.best_model_step)
+        rotate_checkpoints(Path(config.output_dir), config.save_total_limit, keep_step=state.best_model_step)
     accelerator.wait_for_everyone()
     return final
 
@@ -138,45 +145,3 @@ def rotate_checkpoints(output_dir: Path, keep: int | None, keep_step: int | None
         for old in complete_checkpoints(output_dir)[:-keep]:
             if checkpoint_step(old) != keep_step:
                 shutil.rmtree(old)
-
-
-def load_checkpoint(accelerator, path: Path, expected: TrainerState) -> TrainerState:
-    """Restore model, optimiser, scheduler and RNG states on every process; refuse an incompatible checkpoint.
-    `expected`: this run's global batch, process count and strategy."""
-    try:
-        state = TrainerState(**json.loads((path / STATE_FILE).read_text()))
-    except (ValueError, TypeError) as err:
-        raise UsageError(f"checkpoint {path} is corrupt ({STATE_FILE}: {err}); resume from another one") from err
-    if state.global_batch != expected.global_batch:
-        raise UsageError(
-            f"checkpoint {path} was trained with a global batch of {state.global_batch}, this run has "
-            f"{expected.global_batch}; set --global_batch_size {state.global_batch} to resume it"
-        )
-    check_same_sharding(path, state, expected)
-    try:
-        accelerator.load_state(str(path))
-    except Exception as err:  # torch, safetensors and pickle each raise their own kinds for a bad file
-        message = one_line(err)[:300]
-        raise UsageError(f"checkpoint {path} does not fit this model/optimiser or is damaged: {message}") from err
-    return replace(state, world_size=expected.world_size, strategy=expected.strategy)  # this run's, from now
-
-
-UNSHARDED = ("single process", "DDP")  # checkpoints of a whole model: they load on any process count
-RESHARDED = ("FSDP2",)  # torch.distributed.checkpoint (DCP) reshards model and optimiser onto any process count
-
-
-def check_same_sharding(path: Path, saved: TrainerState, expected: TrainerState) -> None:
-    """A checkpoint resumes under a strategy that can read it: a whole model (one process, DDP) on any process count,
-    FSDP2's DCP shards under FSDP2 on any process count (DCP reshards them as it loads; the data position follows
-    from the step and the global batch, as for DDP), DeepSpeed's ZeRO partitions (one file set per process) under
-    that stage on as many processes as wrote them."""
-    if saved.strategy is None or (saved.strategy in UNSHARDED and expected.strategy in UNSHARDED):
-        return  # whole-model checkpoints (or one written before strategies were recorded)
-    if saved.strategy == expected.strategy and (saved.strategy in RESHARDED or saved.world_size == expected.world_size):
-        return
-    where = "on any number of processes" if saved.strategy in RESHARDED else f"and --num_processes {saved.world_size}"
-    raise UsageError(
-        f"checkpoint {path} was saved by {saved.strategy} on {saved.world_size} processes and this run is "
-        f"{expected.strategy} on {expected.world_size}; resume it with the accelerate config it was trained with "
-        f"{where}"
-    )

@@ -1,17 +1,13 @@
-"""Build the Accelerator so one command trains the same way on CPU, one GPU or N processes (docs/how_it_works.md):
-- Without GPUs, `accelerate launch --multi_gpu` or `torchrun` with a plain `Accelerator()` starts N processes that
-  never form a group: N independent trainings, silently. `cpu=True` there gives real gloo DDP, and a launcher's world
-  size that differs from the group's is refused.
-- The global batch does not change with the process count: accumulation is derived from `global_batch_size`; the
-  seedable sampler makes the data order independent of it.
-- BatchNorm statistics are per process unless synchronised: nn.SyncBatchNorm on CUDA; on CPU processes, the
-  sync_batchnorm feature's.
-"""
+"""Build the Accelerator so one command trains the same way on CPU, one GPU or N processes (docs/how_it_works.md).
+Without GPUs a plain `Accelerator()` under a multi-process launch forms no group (N independent trainings, silently):
+`cpu=True` gives gloo DDP, and a launcher's world size that differs from the group's is refused."""
 
 import logging
 import os
 
 import torch
+from accelerate import DataLoaderConfiguration, PartialState
+from accelerate.utils import GradientAccumulationPlugin
 from torch import nn
 
 from src.accelerator import Accelerator, keep_freed_host_memory
@@ -28,15 +24,17 @@ def has_accelerator() -> bool:
 
 
 def build_accelerator(config: TrainConfig, log_with: list | None = None):
-    from accelerate import DataLoaderConfiguration, PartialState
-    from accelerate.utils import GradientAccumulationPlugin
-
     watch_launcher()  # a rank never outlives its launcher (src/preemption.py)
     use_cpu = not has_accelerator()
     check_launch(use_cpu, config)
     if use_cpu:
         keep_freed_host_memory()
-        warn_if_more_processes_than_cores()
+        processes, cores = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), usable_cores()
+        if processes > cores and os.environ.get("LOCAL_RANK", "0") == "0":  # said once per node, before any error
+            say(
+                f"warning: {processes} processes on {cores} CPU cores: they take turns, so this trains slower than "
+                f"{cores} processes would; launch with --num_processes {cores} (the global batch stays the same)"
+            )
     strategy_options = accelerator_options(use_cpu, config)  # cpu, and what FSDP/DeepSpeed need
     state = PartialState(**process_group_options(strategy_options))  # forms the group; its size fixes accumulation
     launched = int(os.environ.get("WORLD_SIZE", "1"))
@@ -46,28 +44,24 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
             "launch with `accelerate launch --config_file accelerate_configs/ddp.yaml` or `torchrun`"
         )
     accumulation = resolve_global_batch(config, state.num_processes) if config.do_train else 1
-    options = {"mixed_precision": config.mixed_precision} if config.mixed_precision else {}
     if config.tf32 is not None and not use_cpu:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = config.tf32
     try:
         accelerator = Accelerator(
             log_with=log_with,
+            mixed_precision=config.mixed_precision,  # None: the accelerate config's
             project_dir=config.output_dir,
             # sync_with_dataloader=False: the loop runs whole accumulation windows only, so no partial window at
             # an epoch's end makes an extra, smaller optimiser step that a different process count would not make
             gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=accumulation, sync_with_dataloader=False),
-            # non_blocking: a batch's copy to the GPU (from pinned memory, see data.py) does not wait for it, so
-            # the next batch is fetched and copied while the GPU still computes the current one
-            # dispatch_batches=False: a streamed train set (--streaming) is read by every process, which keeps
-            # its slice of each batch, on any device (the default would dispatch from the main process on GPUs only)
+            # non_blocking: a batch's copy to the GPU (from pinned memory) overlaps the step; dispatch_batches=False:
+            # every process reads a streamed train set and keeps its slice (the default: the main one, on GPUs)
             dataloader_config=DataLoaderConfiguration(
                 use_seedable_sampler=True, non_blocking=not use_cpu, dispatch_batches=False
             ),
-            # on the CPU everything already is where it runs; placement would only re-check each batch
-            # (docs/benchmark.md)
+            # on the CPU everything already is where it runs: placement would only re-check each batch
             device_placement=not use_cpu,
             **strategy_options,
-            **options,
         )
     except ValueError as err:  # e.g. fp16 without a GPU, or an accelerate config this machine can't run
         raise UsageError(f"Accelerate cannot run this setup: {one_line(err)}") from err
@@ -80,21 +74,9 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def warn_if_more_processes_than_cores() -> None:
-    """CPU processes beyond the cores share them: slower than fewer, not wrong. Said once per node, before anything
-    else can fail."""
-    processes, cores = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), usable_cores()
-    if processes > cores and os.environ.get("LOCAL_RANK", "0") == "0":
-        say(
-            f"warning: {processes} processes on {cores} CPU cores: they take turns, so this trains slower than "
-            f"{cores} processes would; launch with --num_processes {cores} (the global batch stays the same)"
-        )
-
-
 def summed_loss_scale(accelerator, task, window: list) -> torch.Tensor:
-    """For a task whose loss() is a sum: processes x accumulation / the terms of the whole global batch (the window's
-    micro-batches, all-reduced as an exact integer sum). Scaled by it, the gradient is that of the global batch's mean
-    term on any process count (accumulation and DDP average over the micro-batches, as for a mean)."""
+    """For a loss() that is a sum: processes x accumulation / the terms in the whole global batch (an exact integer
+    all-reduce). Accumulation and DDP average, so the gradient is that of the batch's mean term on any process count."""
     counted = torch.as_tensor(sum(task.count_items(batch) for batch in window), device=accelerator.device)
     items = accelerator.reduce(counted.long(), reduction="sum").float()
     return accelerator.num_processes * accelerator.gradient_accumulation_steps / items.clamp_min(1)
@@ -111,55 +93,43 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
 
 
 class SynchronisedBatchNorm(nn.modules.batchnorm._BatchNorm):
-    """A BatchNorm whose statistics are over every process's batch where torch's nn.SyncBatchNorm is not (a
-    feature's, through `Feature.adapt_model`): `sync_batchnorm` then has nothing to warn about."""
+    """A BatchNorm synchronised where nn.SyncBatchNorm is not (a feature's): `sync_batchnorm` does not warn of it."""
 
 
 def sync_batchnorm(model: nn.Module, accelerator) -> nn.Module:
-    """BatchNorm statistics over the whole global micro-batch on N processes: nn.SyncBatchNorm on CUDA. torch has
-    none for CPU processes: there the sync_batchnorm feature's layers (from `Feature.adapt_model`, called first)."""
+    """BatchNorm statistics over the global micro-batch: nn.SyncBatchNorm on CUDA, the sync_batchnorm feature's on CPU
+    processes (torch has none; `Feature.adapt_model` runs first). Warns where they stay per process or micro-batch."""
     batchnorms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    if batchnorms and accelerator.gradient_accumulation_steps > 1:
-        warn_batchnorm_under_accumulation(accelerator.gradient_accumulation_steps, accelerator.num_processes)
+    accumulation = accelerator.gradient_accumulation_steps
+    if batchnorms and accumulation > 1:
+        # Each micro-batch is normalised by its own statistics, so how the global batch is cut changes training:
+        # 1 process x 64 and 2 x 32 (synchronised) agree, 1 x 32 accumulated twice does not (docs/how_it_works.md)
+        logger.warning(
+            f"the model has BatchNorm and each optimiser step accumulates {accumulation} micro-batches: its statistics "
+            "are those of one micro-batch, so another process count or per-device batch trains differently; use a "
+            f"per-device batch {accumulation} times as large (--global_batch_size / {accelerator.num_processes} "
+            "processes: no accumulation), or GroupNorm (digits: --norm group)"
+        )
     if not batchnorms or accelerator.num_processes == 1:
         return model
     if accelerator.device.type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if not all(isinstance(m, SynchronisedBatchNorm) for m in batchnorms):
         logger.warning(
-            "BatchNorm statistics are per process: no synchronised BatchNorm on %s, so this %d-process run normalises "
-            "each process's batch separately (the sync_batchnorm feature synchronises it on CPU processes; or use "
-            "--norm group for identical results).",
-            accelerator.device.type,
-            accelerator.num_processes,
+            f"BatchNorm statistics are per process: no synchronised BatchNorm on {accelerator.device.type}, so this "
+            f"{accelerator.num_processes}-process run normalises each process's batch separately (the sync_batchnorm "
+            "feature synchronises it on CPU processes; or use --norm group for identical results)."
         )
     return model
 
 
-def warn_batchnorm_under_accumulation(accumulation: int, processes: int) -> None:
-    """BatchNorm normalises each micro-batch (synchronised: per-device batch x processes samples) by its own
-    statistics, so how the global batch is cut changes training: 1 process x 64 and 2 x 32 agree, 1 x 32 accumulated
-    twice does not (docs/how_it_works.md)."""
-    logger.warning(
-        "the model has BatchNorm and each optimiser step accumulates %d micro-batches: its statistics are those of one "
-        "micro-batch, so another process count or per-device batch trains differently; use a per-device batch %d "
-        "times as large (--global_batch_size / %d processes: no accumulation), or GroupNorm (digits: --norm group)",
-        accumulation,
-        accumulation,
-        processes,
-    )
-
-
 def end_training(accelerator) -> None:
-    """`accelerator.end_training()` (trackers closed, process group destroyed), then let_gloo_settle."""
     accelerator.end_training()
     let_gloo_settle(accelerator)
 
 
 def let_gloo_settle(accelerator) -> None:
-    """A moment with the GIL released after the last collective, on N processes. Gloo's worker threads destroy each
-    finished work, whose tensors' Python objects need the GIL; the DDP model freed as the run returns destroys the
-    process group, which joins those threads while holding the GIL (pytorch#56297): a worker still waiting for it
-    hangs the process for good (seen at the end of 2-process CPU runs, with py-spy). 50 ms narrows the race to a
-    worker kept off the CPU that long (no test can force it). A run that stops early gets it in errors.command_line."""
+    """50 ms with the GIL released after the last collective, on N processes: the DDP model freed as the run returns
+    destroys gloo's group, which joins its threads holding the GIL while one may still need it: a hang for good
+    (pytorch#56297, docs/how_it_works.md; no test can force it). errors.command_line does it for a run stopped early."""
     let_threads_settle(accelerator.num_processes)

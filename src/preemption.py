@@ -12,126 +12,83 @@ import torch
 
 from src.errors import EXIT_LAUNCHER_GONE, is_main_process, say
 
-
-class LauncherWatch:
-    """A thread that stops this process within seconds of its launcher's death.
-
-    torch elastic (`accelerate launch`, torchrun) starts each rank in a session of its own, so a launcher killed with
-    SIGKILL takes none of them along: they would train on beside a second run that may have started on the same
-    folder, or wait forever in a collective for a rank that died. The launcher's agent is this rank's parent; when the
-    parent changes, it is gone. Then the training loop is asked for a preemption checkpoint at its next step boundary,
-    and at most GRACE_S later the process exits whatever it is doing (the next run removes a half-written checkpoint).
-    Polling rather than prctl(PR_SET_PDEATHSIG): that is Linux-only, fires when the *thread* that forked the rank
-    exits, and races with a parent that died before the rank set it.
-    """
-
-    POLL_S = 0.5
-    GRACE_S = 5.0  # for the preemption checkpoint; a new launch on the folder is still importing torch by then
-
-    def __init__(self, launcher: int):
-        self.launcher = launcher
-        self.gone = threading.Event()
-        self.listeners: list = []
-        threading.Thread(target=self.watch, name="launcher-watch", daemon=True).start()
-
-    def watch(self) -> None:
-        while os.getppid() == self.launcher:
-            time.sleep(self.POLL_S)
-        self.gone.set()
-        listeners = list(self.listeners)
-        if is_main_process():
-            with contextlib.suppress(OSError):  # the launcher's pipe may be gone with it
-                say(
-                    f"the launcher (pid {self.launcher}) exited: "
-                    + (f"saving a checkpoint, then stopping (at most {self.GRACE_S:g} s)" if listeners else "stopping")
-                )
-        for listener in listeners:
-            listener()
-        if listeners:
-            time.sleep(self.GRACE_S)
-        os._exit(EXIT_LAUNCHER_GONE)
-
-
-_watch: LauncherWatch | None = None
+POLL_S = 0.5
+GRACE_S = 5.0  # for the preemption checkpoint; a new launch on the folder is still importing torch by then
+_watching = threading.Event()
+_launcher_gone = threading.Event()
+_launcher_listeners: list = []  # PreemptionSignals' while a training loop runs
 
 
 def watch_launcher() -> None:
-    """In a rank that torch elastic started: stop when the launcher dies (LauncherWatch). Once per process."""
-    global _watch
-    if _watch is None and "TORCHELASTIC_RUN_ID" in os.environ and "WORLD_SIZE" in os.environ:
-        _watch = LauncherWatch(os.getppid())
+    """In a rank torch elastic started (each in a session of its own, so a launcher killed with SIGKILL takes none
+    along), once: a thread that stops the rank within seconds of its parent, the launcher's agent, changing
+    (docs/resume.md). Polling, not prctl(PR_SET_PDEATHSIG): that is Linux-only, fires when the *thread* that forked
+    the rank exits, and races with a parent that died before the rank set it."""
+    if not _watching.is_set() and "TORCHELASTIC_RUN_ID" in os.environ and "WORLD_SIZE" in os.environ:
+        _watching.set()
+        threading.Thread(target=watch, args=(os.getppid(),), name="launcher-watch", daemon=True).start()
 
 
-def on_launcher_exit(listener) -> None:
-    """Call `listener()` if the launcher dies (at once if it is gone already); `listener` may be removed again."""
-    if _watch is None:
-        return
-    _watch.listeners.append(listener)
-    if _watch.gone.is_set():
+def watch(launcher: int) -> None:
+    while os.getppid() == launcher:
+        time.sleep(POLL_S)
+    _launcher_gone.set()
+    listeners = list(_launcher_listeners)
+    then = f"saving a checkpoint, then stopping (at most {GRACE_S:g} s)" if listeners else "stopping"
+    if is_main_process():
+        with contextlib.suppress(OSError):  # the launcher's pipe may be gone with it
+            say(f"the launcher (pid {launcher}) exited: {then}")
+    for listener in listeners:
         listener()
+    if listeners:
+        time.sleep(GRACE_S)
+    os._exit(EXIT_LAUNCHER_GONE)
 
 
-def forget_launcher_exit(listener) -> None:
-    if _watch is not None and listener in _watch.listeners:
-        _watch.listeners.remove(listener)
-
-
-class PreemptionSignals:
-    """SIGTERM / SIGUSR1 (SLURM's warning before the time limit), or the launcher's death, ask for a checkpoint at a
-    step boundary. Processes may receive the signal at different steps, so they agree on when to save: every
-    `every`-th step starts an all-reduce of the flag in the background on a CPU (gloo) group and reads the one started
-    `every` steps earlier, so every process sees the same sum at the same step and no step waits for the network. On
-    GPUs that is every step; CPU processes agree every 10 steps (gloo's background work takes cores from training,
-    docs/resume.md). One process needs no agreement.
-    """
+class PreemptionSignals(contextlib.AbstractContextManager):
+    """SIGTERM / SIGUSR1, or the launcher's death, ask for a checkpoint at a step boundary. Processes may be signalled
+    at different steps, so every `every`-th step starts a background all-reduce of the flag on a gloo group and reads
+    the one started `every` steps earlier: all see the same sum at the same step, and no step waits for the network.
+    `every` is 1 on GPUs, 10 on CPU processes (gloo's background work takes cores from training, docs/resume.md)."""
 
     CPU_EVERY = 10
-    SIGNALS = ("SIGTERM", "SIGUSR1")
 
     def __init__(self, accelerator):
         self.alone = accelerator.num_processes == 1
-        self.received: str | None = None
+        self.received = False
         self.previous = {}
-        for name in self.SIGNALS:
+        for name in ("SIGTERM", "SIGUSR1"):
             # ValueError outside the main thread (some notebook runners): then no handler, as before
             with contextlib.suppress(ValueError, AttributeError):
                 self.previous[name] = signal.signal(getattr(signal, name), self.handle)
-        on_launcher_exit(self.launcher_exited)
+        _launcher_listeners.append(self.handle)
+        if _launcher_gone.is_set():  # the watch may have read its listeners already
+            self.handle()
         if not self.alone:
-            import torch.distributed as dist
-
-            self.group = dist.new_group(backend="gloo")  # a CPU flag: no device sync per step
-            self.flag, self.pending = torch.zeros(1), None
+            self.group = torch.distributed.new_group(backend="gloo")  # a CPU flag: no device sync per step
+            self.pending = None  # the all-reduce in flight, of self.flag
             self.every = self.CPU_EVERY if accelerator.device.type == "cpu" else 1
 
-    def handle(self, signum, frame):
-        self.received = signal.Signals(signum).name
-
-    def launcher_exited(self):
-        self.received = self.received or "launcher exited"
+    def handle(self, *signal_and_frame):
+        self.received = True
 
     def requested(self, step: int) -> bool:
         """Call once per step on every process; True on all of them at the same step once any was signalled."""
         if self.alone:
-            return self.received is not None
+            return self.received
         if step % self.every:
             return False
-        import torch.distributed as dist
-
         agreed = False
         if self.pending is not None:
             self.pending.wait()
             agreed = bool(self.flag.item() > 0)
-        self.flag = torch.tensor([float(self.received is not None)])
-        self.pending = dist.all_reduce(self.flag, group=self.group, async_op=True)
+        self.flag = torch.tensor([float(self.received)])
+        self.pending = torch.distributed.all_reduce(self.flag, group=self.group, async_op=True)
         return agreed
-
-    def __enter__(self):
-        return self
 
     def __exit__(self, error_type, error, traceback):
         """Restore the handlers we replaced, also when training raised: a notebook's kernel keeps its own."""
-        forget_launcher_exit(self.launcher_exited)
+        _launcher_listeners.remove(self.handle)
         if error_type is None and not self.alone and self.pending is not None:
             self.pending.wait()  # the last all-reduce in flight (not after an error: a peer may be gone)
         for name, handler in self.previous.items():

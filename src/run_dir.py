@@ -1,7 +1,4 @@
-"""The run directory (`output_dir`): the names of what a run writes there, and getting it ready without losing a run.
-
-output_dir/config.yaml  metrics.jsonl  checkpoints/step_<N>/  model/  eval_results.json  predictions.jsonl
-"""
+"""The run directory (`output_dir`): the names of what a run writes there, and getting it ready without losing a run."""
 
 import json
 import logging
@@ -32,8 +29,7 @@ TMP_PREFIX = ".tmp_"
 
 def prepare_output_dir(accelerator, config: TrainConfig, resume_step: int | None) -> Path:
     """Every process checks, then the main process writes: a refused run leaves every file as it was. A previous run
-    that never finished an optimiser step holds nothing worth keeping: it is replaced, so the same command can simply
-    be run again."""
+    that never finished an optimiser step holds nothing worth keeping: it is replaced, so the same command reruns."""
     output_dir = Path(config.output_dir)
     artifacts = [*RUN_ARTIFACTS, config.project_name]  # tensorboard logs go to output_dir/project_name
     previous = [name for name in artifacts if (output_dir / name).exists()]
@@ -48,11 +44,14 @@ def prepare_output_dir(accelerator, config: TrainConfig, resume_step: int | None
     if accelerator.is_main_process:
         if replacing:  # a fresh start: nothing of the previous run's logs may mix into this one
             logger.info("replacing the previous run in %s (%s)", output_dir, ", ".join(previous))
-            for name in previous:
-                remove(output_dir / name)
-        else:
-            truncate_metrics(output_dir, resume_step or 0)
-        remove_incomplete_checkpoints(output_dir)
+            for path in (output_dir / name for name in previous):
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+        elif (metrics := output_dir / METRICS_FILE).exists():  # a resumed run logs the steps after its checkpoint again
+            lines = metrics.read_text().splitlines(keepends=True)
+            metrics.write_text("".join(line for line in lines if json.loads(line)["step"] <= (resume_step or 0)))
+        for path in sorted((output_dir / CHECKPOINTS_DIR).glob(f"{TMP_PREFIX}*")):
+            logger.warning("removing %s: an incomplete checkpoint (or upload snapshot) from an interrupted write", path)
+            shutil.rmtree(path, ignore_errors=True)
         output_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, output_dir / CONFIG_FILE)
     accelerator.wait_for_everyone()
@@ -63,20 +62,11 @@ def trained_any_step(output_dir: Path) -> bool:
     """Whether a run in output_dir got past its first optimiser step: a checkpoint, a model or a logged step."""
     if (output_dir / CHECKPOINTS_DIR).is_dir() or (output_dir / MODEL_DIR).exists():
         return True
-    metrics = output_dir / METRICS_FILE
-    if not metrics.is_file():
-        return False
-    for line in metrics.read_text().splitlines():
-        try:
-            if json.loads(line).get("step", 0) > 0:
-                return True
-        except ValueError:
-            return True  # not ours to judge: keep it
-    return False
-
-
-def remove(path: Path) -> None:
-    shutil.rmtree(path) if path.is_dir() else path.unlink()
+    path = output_dir / METRICS_FILE
+    try:
+        return path.is_file() and any(json.loads(line).get("step", 0) > 0 for line in path.read_text().splitlines())
+    except ValueError:
+        return True  # a line that is not ours to judge: keep the run
 
 
 def write_atomically(accelerator, path: Path, text: str) -> None:
@@ -87,17 +77,3 @@ def write_atomically(accelerator, path: Path, text: str) -> None:
         partial.write_text(text)
         os.replace(partial, path)
     accelerator.wait_for_everyone()
-
-
-def remove_incomplete_checkpoints(output_dir: Path) -> None:
-    for path in sorted((output_dir / CHECKPOINTS_DIR).glob(f"{TMP_PREFIX}*")):
-        logger.warning("removing %s: an incomplete checkpoint (or upload snapshot) from an interrupted write", path)
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def truncate_metrics(output_dir: Path, step: int) -> None:
-    """A resumed run re-logs the steps after its checkpoint: drop them so metrics.jsonl has each step once."""
-    path = output_dir / METRICS_FILE
-    if path.exists():
-        lines = path.read_text().splitlines(keepends=True)
-        path.write_text("".join(line for line in lines if json.loads(line)["step"] <= step))

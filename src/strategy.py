@@ -1,16 +1,11 @@
-"""The parallel strategy an accelerate config asks for, what this machine can't give it, and what Accelerate lacks to
-run FSDP2 on CPU processes (over gloo), so that CI proves it without GPUs. DeepSpeed is a feature's
-(src/features/deepspeed/), reached through the same calls.
-
-`accelerate launch --config_file X.yaml` hands the config to train.py as environment variables (ACCELERATE_USE_FSDP,
-ACCELERATE_USE_DEEPSPEED, FSDP_*, ...). `AcceleratorState.__init__` switches to FSDP only when the distributed type is
-MULTI_GPU/NPU/XPU/..., never MULTI_CPU (accelerate/state.py: `elif self.distributed_type in [DistributedType.MULTI_GPU,
-...]`), so with `cpu=True` the FSDP plugin is dropped and the model silently becomes DDP. `enable_fsdp_on_cpu` makes
-the switch that branch makes, and fails with one line if a future Accelerate no longer takes it.
-"""
+"""The parallel strategy an accelerate config asks for (`accelerate launch` passes it as ACCELERATE_USE_FSDP, FSDP_*,
+... variables), what this machine can't give it, and FSDP2 on CPU processes, so that CI proves it without GPUs
+(docs/sharded.md). DeepSpeed is a feature's (src/features/deepspeed/), reached through the same calls."""
 
 import os
 
+from accelerate import PartialState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
 from torch import nn
 
 from src import features
@@ -21,16 +16,13 @@ FSDP, DEEPSPEED = "FSDP", "DEEPSPEED"
 
 def requested_strategy() -> str | None:
     """FSDP or DEEPSPEED when the accelerate config asks for one, else None (DDP, or one process)."""
-    for name in (FSDP, DEEPSPEED):
-        if os.environ.get(f"ACCELERATE_USE_{name}", "").lower() == "true":
-            return name
-    return None
+    asked = [name for name in (FSDP, DEEPSPEED) if os.environ.get(f"ACCELERATE_USE_{name}", "").lower() == "true"]
+    return asked[0] if asked else None
 
 
 def check_launch(use_cpu: bool, config=None) -> None:
-    """What an accelerate config asks for that this machine can't give, found by every process before any of them
-    forms a group: one line (from the main process) instead of a traceback per rank. `config` (the TrainConfig) None:
-    the accelerate config alone (scripts/launch.py)."""
+    """What an accelerate config asks for that this machine can't give, found by every process before any forms a
+    group: one line instead of a traceback per rank. `config` None: the accelerate config alone (scripts/launch.py)."""
     precision = (config and config.mixed_precision) or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     if use_cpu and precision == "fp16":
         raise LaunchError(
@@ -52,36 +44,29 @@ def check_launch(use_cpu: bool, config=None) -> None:
 
 
 def accelerator_options(use_cpu: bool, config) -> dict:
-    """The Accelerator's arguments that depend on the strategy: `cpu`, and FSDP's plugin on CPU processes (read from
-    the FSDP_* variables), or what a feature gives for its strategy (DeepSpeed)."""
+    """The Accelerator's strategy arguments: `cpu`, FSDP's plugin on CPU processes, or a feature's (DeepSpeed)."""
     options = features.installed().accelerator_options(use_cpu, config)
     if options is not None:
         return options
-    if requested_strategy() == DEEPSPEED:
+    strategy = requested_strategy()
+    if strategy == DEEPSPEED:
         raise LaunchError("the accelerate config asks for DeepSpeed, which this project does not include; use FSDP")
-    if requested_strategy() == FSDP and use_cpu:
-        from accelerate.utils import FullyShardedDataParallelPlugin
-
+    if strategy == FSDP and use_cpu:
         return {"cpu": True, "fsdp_plugin": FullyShardedDataParallelPlugin()}
     return {"cpu": use_cpu}
 
 
 def process_group_options(options: dict) -> dict:
-    """`PartialState`'s arguments (it forms the process group before the Accelerator exists), from the Accelerator's:
-    `cpu`, and the backend a strategy names (DeepSpeed on CPU processes: gloo)."""
-    from accelerate.utils import InitProcessGroupKwargs
-
+    """`PartialState`'s arguments (it forms the group before the Accelerator exists): `cpu` and a strategy's backend."""
     backends = [h.backend for h in options.get("kwargs_handlers", []) if isinstance(h, InitProcessGroupKwargs)]
     return {"cpu": options["cpu"], **({"backend": backends[0]} if backends else {})}
 
 
 def enable_fsdp_on_cpu(accelerator, plugin) -> None:
-    """Make a MULTI_CPU Accelerator an FSDP one, as accelerate/state.py does for GPUs: distributed type FSDP in both
-    shared states (AcceleratorState copies PartialState's, and later lookups read either), the plugin kept, its mixed
-    precision set. Checked: FSDP2 only, and the switch must hold."""
-    from accelerate import PartialState
-    from accelerate.utils import DistributedType
-
+    """Make a MULTI_CPU Accelerator an FSDP2 one. `AcceleratorState.__init__` switches to FSDP for GPU-like types only
+    (accelerate/state.py: `elif self.distributed_type in [DistributedType.MULTI_GPU, ...]`), so with `cpu=True` the
+    plugin is dropped and the model silently becomes DDP. This makes that switch in both shared states
+    (AcceleratorState copies PartialState's; later lookups read either), sets the plugin's precision, checks it held."""
     state = accelerator.state
     if state.distributed_type != DistributedType.MULTI_CPU:
         raise LaunchError(
@@ -101,9 +86,7 @@ def enable_fsdp_on_cpu(accelerator, plugin) -> None:
 
 
 def prepare_needs_optimizer(accelerator) -> bool:
-    """Whether `accelerator.prepare` refuses a model without an optimizer (an eval-only run): FSDP2 ("a model and
-    optimizer must be passed together") and DeepSpeed ZeRO-1/2 ("zero stage 2 requires an optimizer"). ZeRO-3
-    shards for inference without one (an optimizer would allocate its state)."""
+    """Whether `prepare` refuses a model without an optimizer (eval-only): FSDP2 and ZeRO-1/2 do; ZeRO-3 does not."""
     if accelerator.distributed_type.value == DEEPSPEED:
         return accelerator.state.deepspeed_plugin.zero_stage < 3
     return accelerator.is_fsdp2
