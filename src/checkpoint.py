@@ -64,16 +64,7 @@ def resume(accelerator, config: TrainConfig, fresh: TrainerState) -> tuple[Train
             f"checkpoint {path} was trained with a global batch of {state.global_batch}, this run has "
             f"{fresh.global_batch}; set --global_batch_size {state.global_batch} to resume it"
         )
-    resharded = state.strategy == "FSDP2"
-    same_sharding = state.strategy == fresh.strategy and (resharded or state.world_size == fresh.world_size)
-    whole_models = {state.strategy, fresh.strategy} <= {"single process", "DDP"}
-    if not (same_sharding or whole_models or state.strategy is None):  # None: saved before strategies were recorded
-        where = "on any number of processes" if resharded else f"and --num_processes {state.world_size}"
-        raise UsageError(
-            f"checkpoint {path} was saved by {state.strategy} on {state.world_size} processes and this run is "
-            f"{fresh.strategy} on {fresh.world_size}; resume it with the accelerate config it was trained with "
-            f"{where}"
-        )
+    check_sharding(path, state, fresh)
     try:
         accelerator.load_state(str(path))
     except Exception as err:  # torch, safetensors and pickle each raise their own kinds for a bad file
@@ -81,6 +72,20 @@ def resume(accelerator, config: TrainConfig, fresh: TrainerState) -> tuple[Train
         raise UsageError(f"checkpoint {path} does not fit this model/optimiser or is damaged: {message}") from err
     logger.info("resuming from %s at step %d", path, state.step)
     return replace(state, world_size=fresh.world_size, strategy=fresh.strategy), True  # this run's, from now
+
+
+def check_sharding(path: Path, saved: TrainerState, fresh: TrainerState) -> None:
+    """Refuse a checkpoint this run's strategy can't read (the rule: `resume`'s docstring)."""
+    resharded = saved.strategy == "FSDP2"
+    same_sharding = saved.strategy == fresh.strategy and (resharded or saved.world_size == fresh.world_size)
+    whole_models = {saved.strategy, fresh.strategy} <= {"single process", "DDP"}
+    if not (same_sharding or whole_models or saved.strategy is None):  # None: saved before strategies were recorded
+        where = "on any number of processes" if resharded else f"and --num_processes {saved.world_size}"
+        raise UsageError(
+            f"checkpoint {path} was saved by {saved.strategy} on {saved.world_size} processes and this run is "
+            f"{fresh.strategy} on {fresh.world_size}; resume it with the accelerate config it was trained with "
+            f"{where}"
+        )
 
 
 def checkpoint_step(path: Path) -> int:
