@@ -75,17 +75,20 @@ def resume(accelerator, config: TrainConfig, fresh: TrainerState) -> tuple[Train
 
 
 def check_sharding(path: Path, saved: TrainerState, fresh: TrainerState) -> None:
-    """Refuse a checkpoint this run's strategy can't read (the rule: `resume`'s docstring)."""
-    resharded = saved.strategy == "FSDP2"
+    """Refuse a checkpoint this run's strategy can't read (the rule: `resume`'s docstring), naming the conversion
+    between a whole model and FSDP2 (scripts/convert_checkpoint.py) where it applies."""
+    resharded, pair, whole = saved.strategy == "FSDP2", {saved.strategy, fresh.strategy}, {"single process", "DDP"}
     same_sharding = saved.strategy == fresh.strategy and (resharded or saved.world_size == fresh.world_size)
-    whole_models = {saved.strategy, fresh.strategy} <= {"single process", "DDP"}
-    if not (same_sharding or whole_models or saved.strategy is None):  # None: saved before strategies were recorded
-        where = "on any number of processes" if resharded else f"and --num_processes {saved.world_size}"
-        raise UsageError(
-            f"checkpoint {path} was saved by {saved.strategy} on {saved.world_size} processes and this run is "
-            f"{fresh.strategy} on {fresh.world_size}; resume it with the accelerate config it was trained with "
-            f"{where}"
-        )
+    if same_sharding or pair <= whole or saved.strategy is None:  # None: saved before strategies were recorded
+        return
+    where = "on any number of processes" if resharded else f"and --num_processes {saved.world_size}"
+    if len(pair) == 2 and pair - whole == {"FSDP2"}:
+        to = "DDP" if resharded else "FSDP2"
+        where += f", or convert it: python scripts/convert_checkpoint.py {path} NEW_FOLDER --to {to}"
+    raise UsageError(
+        f"checkpoint {path} was saved by {saved.strategy} on {saved.world_size} processes and this run is "
+        f"{fresh.strategy} on {fresh.world_size}; resume it with the accelerate config it was trained with {where}"
+    )
 
 
 def checkpoint_step(path: Path) -> int:

@@ -10,6 +10,7 @@ same code there; tests/test_adapters.py trains this model under ZeRO-2 too)."""
 
 import json
 import shutil
+import sys
 
 import pytest
 import torch
@@ -141,6 +142,9 @@ def test_a_sharded_checkpoint_resumes_only_under_its_own_strategy(sharded, tmp_p
     result = run_main(*RUN, "--max_steps", "40", "--output_dir", str(other), "--resume_from_checkpoint", "latest")
     assert result.returncode == 2
     where = "on any number of processes" if config == "fsdp" else "and --num_processes 2"  # DCP reshards
+    if config == "fsdp":  # and a whole model converts to FSDP2 and back (test_a_checkpoint_converts_...)
+        step_30 = other / "checkpoints" / "step_30"
+        where += f", or convert it: python scripts/convert_checkpoint.py {step_30} NEW_FOLDER --to DDP"
     assert result.stderr.strip().splitlines()[-1] == (
         f"error: checkpoint {other}/checkpoints/step_30 was saved by {STRATEGIES[config]} on 2 processes and this run "
         f"is single process on 1; resume it with the accelerate config it was trained with {where}"
@@ -247,6 +251,51 @@ def test_an_fsdp2_checkpoint_continues_on_another_process_count(elastic_start, t
     assert [(row["setup/strategy"], row["setup/world_size"]) for row in rows if "setup/strategy" in row] == [
         ("FSDP2", processes)
     ]
+    losses, expected = series(rows, "train/loss"), series(one_process, "train/loss")
+    assert list(losses) == list(range(11, 21))
+    torch.testing.assert_close(torch.tensor(list(losses.values())), torch.tensor([expected[s] for s in losses]),
+                               rtol=0, atol=1e-5)  # fmt: skip
+    assert series(rows, "eval/loss")[20] == pytest.approx(series(one_process, "eval/loss")[20], abs=1e-5)
+
+
+def test_convert_checkpoint_refuses_what_it_cannot_convert(tmp_path):
+    """One line, exit 2, nothing written: not a checkpoint, an output that exists, a checkpoint of another kind."""
+    script = [sys.executable, "scripts/convert_checkpoint.py"]
+    checkpoint, taken = tmp_path / "step_10", tmp_path / "taken"
+    taken.mkdir()
+    result = run_command([*script, str(checkpoint), str(tmp_path / "new"), "--to", "FSDP2"])
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1] == (
+        f"error: {checkpoint} is not a complete checkpoint (no trainer_state.json); use a checkpoints/step_<N> folder"
+    )
+    checkpoint.mkdir()
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"strategy": "DeepSpeed ZeRO-3"}))
+    result = run_command([*script, str(checkpoint), str(taken), "--to", "FSDP2"])
+    assert (result.returncode, result.stderr.splitlines()[-1]) == (
+        2, f"error: {taken} exists; name a new folder for the converted checkpoint"
+    )  # fmt: skip
+    result = run_command([*script, str(checkpoint), str(tmp_path / "new"), "--to", "FSDP2"])
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1].endswith("saved by DeepSpeed ZeRO-3; --to FSDP2 converts a whole model's "
+                                                   "(one process or DDP) checkpoints only")  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_10", "taken"]
+
+
+@pytest.mark.parametrize("to", ["DDP", "FSDP2"])
+def test_a_checkpoint_converts_between_a_whole_model_and_fsdp2(elastic_start, tmp_path, to):
+    """scripts/convert_checkpoint.py, as the refusal above names it: FSDP2's step_10 of 2 processes -> a whole model,
+    continued by one plain process; the plain run's step_10 -> FSDP2, continued on 2 processes. Steps 11-20 and the
+    eval equal the uninterrupted run's."""
+    fsdp2_start, one_process = elastic_start
+    source = fsdp2_start if to == "DDP" else fsdp2_start.parents[2] / "one" / "checkpoints" / "step_10"
+    out = tmp_path / "run"
+    converted = out / "checkpoints" / "step_10"
+    assert_ok(run_command([sys.executable, "scripts/convert_checkpoint.py", str(source), str(converted), "--to", to]))
+    resume = [*ELASTIC, "--output_dir", str(out), "--resume_from_checkpoint", "latest"]
+    assert_ok(run_main(*resume) if to == "DDP" else run_train(*resume, processes=2, config="fsdp"))
+    rows = read_metrics(out)
+    strategy = "single process" if to == "DDP" else "FSDP2"
+    assert [row["setup/strategy"] for row in rows if "setup/strategy" in row] == [strategy]
     losses, expected = series(rows, "train/loss"), series(one_process, "train/loss")
     assert list(losses) == list(range(11, 21))
     torch.testing.assert_close(torch.tensor(list(losses.values())), torch.tensor([expected[s] for s in losses]),

@@ -1,0 +1,80 @@
+"""Convert a checkpoint between a whole model (one process or DDP) and FSDP2's shards, so that a run continues under
+the other strategy with the same weights, optimiser state, schedule, RNG and data position (docs/sharded.md).
+
+    python scripts/convert_checkpoint.py runs/digits/checkpoints/step_10 runs/sharded/checkpoints/step_10 --to FSDP2
+    python scripts/convert_checkpoint.py runs/sharded/checkpoints/step_10 runs/whole/checkpoints/step_10 --to DDP
+
+One process does it: the run's model and optimiser are built from the checkpoint's config.yaml, as train.py builds
+them, and torch.distributed.checkpoint (DCP) moves their state between the two layouts; FSDP2 reshards DCP's files
+onto any number of processes as it loads them. The rest of the checkpoint (schedule, RNG, data position) is copied.
+"""
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from src.errors import UsageError, command_line  # noqa: E402
+from src.run_dir import CONFIG_FILE, STATE_FILE  # noqa: E402
+
+WHOLE = ("model.safetensors", "optimizer.bin")  # what Accelerate's save_state writes for one process or DDP
+SHARDED = ("pytorch_model_fsdp_0", "optimizer_0")  # ... and under FSDP2 (DCP folders)
+
+
+def convert(source: Path, target: Path, to: str) -> None:
+    if not (source / STATE_FILE).is_file():
+        raise UsageError(f"{source} is not a complete checkpoint (no {STATE_FILE}); use a checkpoints/step_<N> folder")
+    if target.exists():
+        raise UsageError(f"{target} exists; name a new folder for the converted checkpoint")
+    state = json.loads((source / STATE_FILE).read_text())
+    strategy, sharded = state.get("strategy"), to == "DDP"  # sharded: the source
+    if strategy not in (("FSDP2",) if sharded else ("DDP", "single process")):
+        needs = "FSDP2's" if sharded else "a whole model's (one process or DDP)"
+        raise UsageError(f"{source} was saved by {strategy}; --to {to} converts {needs} checkpoints only")
+
+    import safetensors.torch
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from accelerate import Accelerator
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from src import features, optim, tasks
+    from src.cli import parse_config
+
+    config = parse_config(["--config", str(source / CONFIG_FILE)])
+    task = tasks.build_task(config)
+    model = task.load_model(config.model_name_or_path) if config.model_name_or_path else task.build_model()
+    model = features.installed().adapt_model(model, Accelerator(cpu=True))  # e.g. LoRA's adapters, as in training
+    optimizer = optim.build_optimizer(model, config, fused=False)
+    if sharded:  # DCP's files -> this process's whole model and optimizer
+        model_state, optimizer_state = get_state_dict(model, optimizer)  # (an empty optimizer state is initialised)
+        dcp.load({"model": model_state}, checkpoint_id=source / SHARDED[0], no_dist=True)
+        dcp.load({"optimizer": optimizer_state}, checkpoint_id=source / SHARDED[1], no_dist=True)
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    else:
+        model.load_state_dict(safetensors.torch.load_file(source / WHOLE[0]))
+        optimizer.load_state_dict(torch.load(source / WHOLE[1], weights_only=True))
+    partial = target.with_name(target.name + ".converting")
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.copytree(source, partial, ignore=shutil.ignore_patterns(*WHOLE, *SHARDED))
+    if sharded:
+        safetensors.torch.save_file(model.state_dict(), partial / WHOLE[0], metadata={"format": "pt"})
+        torch.save(optimizer.state_dict(), partial / WHOLE[1])
+    else:
+        model_state, optimizer_state = get_state_dict(model, optimizer)  # keyed by parameter name, as FSDP2 saves
+        dcp.save({"model": model_state}, checkpoint_id=partial / SHARDED[0], no_dist=True)
+        dcp.save({"optimizer": optimizer_state}, checkpoint_id=partial / SHARDED[1], no_dist=True)
+    (partial / STATE_FILE).write_text(json.dumps({**state, "strategy": to}, indent=2) + "\n")
+    partial.rename(target)  # whole or not at all
+    print(f"{target}: the checkpoint for {to}; resume with --resume_from_checkpoint {target}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=Path, help="a checkpoints/step_<N> folder")
+    parser.add_argument("output", type=Path, help="the converted checkpoint's folder (a new one)")
+    parser.add_argument("--to", choices=["FSDP2", "DDP"], required=True)
+    args = parser.parse_args()
+    command_line(convert)(args.checkpoint, args.output, args.to)
