@@ -259,25 +259,21 @@ def test_an_fsdp2_checkpoint_continues_on_another_process_count(elastic_start, t
 
 
 def test_convert_checkpoint_refuses_what_it_cannot_convert(tmp_path):
-    """One line, exit 2, nothing written: not a checkpoint, an output that exists, a checkpoint of another kind."""
-    script = [sys.executable, "scripts/convert_checkpoint.py"]
-    checkpoint, taken = tmp_path / "step_10", tmp_path / "taken"
+    """One line (a UsageError: exit 2 from the command line), nothing written: not a checkpoint, an output that
+    exists, a checkpoint of another kind."""
+    from scripts.convert_checkpoint import convert
+    from src.errors import UsageError
+
+    checkpoint, taken, new = tmp_path / "step_10", tmp_path / "taken", tmp_path / "new"
     taken.mkdir()
-    result = run_command([*script, str(checkpoint), str(tmp_path / "new"), "--to", "FSDP2"])
-    assert result.returncode == 2
-    assert result.stderr.splitlines()[-1] == (
-        f"error: {checkpoint} is not a complete checkpoint (no trainer_state.json); use a checkpoints/step_<N> folder"
-    )
+    with pytest.raises(UsageError, match=r"step_10 is not a complete checkpoint \(no trainer_state.json\); use a"):
+        convert(checkpoint, new, "FSDP2")
     checkpoint.mkdir()
     (checkpoint / "trainer_state.json").write_text(json.dumps({"strategy": "DeepSpeed ZeRO-3"}))
-    result = run_command([*script, str(checkpoint), str(taken), "--to", "FSDP2"])
-    assert (result.returncode, result.stderr.splitlines()[-1]) == (
-        2, f"error: {taken} exists; name a new folder for the converted checkpoint"
-    )  # fmt: skip
-    result = run_command([*script, str(checkpoint), str(tmp_path / "new"), "--to", "FSDP2"])
-    assert result.returncode == 2
-    assert result.stderr.splitlines()[-1].endswith("saved by DeepSpeed ZeRO-3; --to FSDP2 converts a whole model's "
-                                                   "(one process or DDP) checkpoints only")  # fmt: skip
+    with pytest.raises(UsageError, match="taken exists; name a new folder for the converted checkpoint"):
+        convert(checkpoint, taken, "FSDP2")
+    with pytest.raises(UsageError, match="ZeRO-3; --to FSDP2 converts a whole model.s .one process or DDP."):
+        convert(checkpoint, new, "FSDP2")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_10", "taken"]
 
 
