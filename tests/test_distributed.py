@@ -4,6 +4,7 @@ import platform
 
 import pytest
 import torch
+import yaml
 
 from tests.conftest import (
     QUICK,
@@ -18,7 +19,7 @@ from tests.conftest import (
     run_python,
     series,
 )
-from tests.helpers import needs
+from tests.helpers import needs, readme_command
 
 # Over 40 steps at this learning rate float32 round-off (different summation order in DDP's all-reduce)
 # stays below 1e-6; at higher rates training amplifies it, as it does for 1-process accumulation vs one batch.
@@ -77,15 +78,35 @@ def test_two_processes_log_each_line_once(one_and_two_processes, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("processes", [1, 2, 3])
-def test_eval_counts_every_sample_once(out, processes):
-    """359 eval images (a prime): uneven shards on any process count, still each sample counted once."""
-    result = run_on(
-        processes,
-        *QUICK, "--output_dir", str(out), "--global_batch_size", "96", "--per_device_train_batch_size", "16",
-    )  # fmt: skip
-    assert_ok(result)
-    assert_processes(out, processes)
-    assert list(series(read_metrics(out), "eval/num_samples").values()) == [359]
+def test_eval_counts_every_sample_once(one_and_two_processes, out, processes):
+    """359 eval images (a prime): uneven shards on any process count, still each sample counted once. 1 and 2
+    processes: the runs above (evaluated twice each); 3: a run of its own (a global batch of 96 = 16 x 3 x 2)."""
+    if processes in one_and_two_processes:
+        rows = one_and_two_processes[processes][1]
+    else:
+        result = run_on(
+            processes,
+            *QUICK, "--output_dir", str(out), "--global_batch_size", "96", "--per_device_train_batch_size", "16",
+        )  # fmt: skip
+        assert_ok(result)
+        assert_processes(out, processes)
+        rows = read_metrics(out)
+    counted = list(series(rows, "eval/num_samples").values())
+    assert counted and set(counted) == {359}
+
+
+def test_the_readme_ddp_command_is_the_two_process_run_here(one_and_two_processes):
+    """The README's `accelerate launch --config_file accelerate_configs/ddp.yaml train.py` is what the 2-process run
+    above launches (with a free port, and the config's 2 processes), so tests/test_readme.py does not run it again."""
+    from scripts.readme_commands import section_commands
+
+    assert readme_command("ddp") in section_commands("Launch on any hardware")
+    launched = launch_command(2, "ddp")
+    assert launched[1:5] == ["-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/ddp.yaml"]
+    configured = yaml.safe_load((REPO / "accelerate_configs" / "ddp.yaml").read_text())["num_processes"]
+    assert launched[-1] == "train.py" and launched[launched.index("--num_processes") + 1] == str(configured) == "2"
+    rows = one_and_two_processes[2][1]
+    assert (rows[0]["setup/strategy"], rows[0]["setup/world_size"]) == ("DDP", 2)
 
 
 PLAIN_ACCELERATOR = """
@@ -136,17 +157,20 @@ import resource, sys, torch
 from src.config import TrainConfig
 from src.cli import resolve
 from src.distributed import build_accelerator
-if sys.argv[1] == "template":
-    build_accelerator(resolve(TrainConfig()))
 x, conv1, conv2 = torch.randn(64, 1, 8, 8), torch.nn.Conv2d(1, 32, 3, padding=1), torch.nn.Conv2d(32, 64, 3, padding=1)
 def step():  # activations of 0.5 and 1 MB, freed at each step's end: the digits CNN's pattern
     conv2(torch.relu(conv1(x))).sum().backward()
-for _ in range(20):
-    step()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(200):
-    step()
-print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 200)
+def faults_per_step():
+    for _ in range(10):
+        step()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(50):
+        step()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 50
+if sys.argv[1] == "plain first":
+    print(faults_per_step())
+build_accelerator(resolve(TrainConfig()))
+print(faults_per_step())
 """
 
 
@@ -156,14 +180,19 @@ def test_cpu_steps_do_not_page_fault_their_activations_back_in():
     """glibc's malloc returns freed activations above its mmap threshold to the OS and faults them in again at the
     next step (its threshold starts at 128 KB and moves with the process's history: 43-960 faults per step of this
     loop measured); after build_accelerator on the CPU the heap keeps them (src/accelerator.py), unless the user's
-    GLIBC_TUNABLES sets malloc options."""
+    GLIBC_TUNABLES sets malloc options. Two processes: glibc's own (its initial threshold held fixed by the user's
+    tunables), then build_accelerator in that same process; and build_accelerator in a process with no tunables."""
     glibc_start = {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}  # glibc's initial threshold, held fixed
-    faults = {}
-    for name, side, env in (("glibc", "plain", glibc_start), ("template", "template", {}),
-                            ("template, user's tunables", "template", glibc_start)):  # fmt: skip
-        result = run_python("-c", FAULTS_PER_STEP, side, env=env)
-        assert_ok(result)
-        faults[name] = float(result.stdout.split()[-1])
+    with_tunables = run_python("-c", FAULTS_PER_STEP, "plain first", env=glibc_start)
+    template = run_python("-c", FAULTS_PER_STEP, "template", env={})
+    assert_ok(with_tunables)
+    assert_ok(template)
+    glibc, with_template = (float(word) for word in with_tunables.stdout.split()[-2:])
+    faults = {
+        "glibc": glibc,
+        "template, user's tunables": with_template,
+        "template": float(template.stdout.split()[-1]),
+    }
     assert faults["template"] < 5 < 50 < min(faults["glibc"], faults["template, user's tunables"]), faults
 
 

@@ -4,6 +4,7 @@ A run that fails later says so the same way, with its own exit code (65 diverged
 import errno
 import math
 import re
+import subprocess
 import sys
 
 import accelerate
@@ -200,9 +201,15 @@ def test_ctrl_c_exits_cleanly(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def test_broken_accelerate_config(tmp_path):
+def test_broken_accelerate_config(tmp_path, capsys):
+    """scripts/launch.py's config check, in this process as its main() calls it before anything else (a whole
+    `python scripts/launch.py` refusing a config, with nothing more on stderr: the next test)."""
+    from scripts.launch import exit_if_unusable
+
     broken = write(tmp_path, "broken.yaml", "distributed_type: MULTI_GPUX\nnum_processes: 2\n")
-    result = run_command([sys.executable, "scripts/launch.py", "--config_file", broken, "train.py", *QUICK])
+    with pytest.raises(SystemExit) as stopped:
+        exit_if_unusable(["--config_file", broken, "train.py", *QUICK])
+    result = subprocess.CompletedProcess("scripts/launch.py", stopped.value.code, "", capsys.readouterr().err)
     assert_error_line(result, r"accelerate config .*broken\.yaml is invalid \('MULTI_GPUX' is not a valid")
 
 

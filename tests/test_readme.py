@@ -19,12 +19,22 @@ def test_quickstart_is_exactly_two_commands_and_ci_runs_them():
     assert "readme_commands.py quickstart" in (REPO / ".ci/run").read_text()
 
 
-# The sharded strategies' commands are run by tests/test_sharded.py (killed, resumed, checked against one process).
-SHARDED = [readme_command(config) for config in STRATEGIES]
+# Commands whose runs other tests train and read: the sharded strategies' (tests/test_sharded.py: killed, resumed,
+# checked against one process), ddp.yaml's (tests/test_distributed.py: checked against one process) and `python
+# train.py` (conftest's default_run, trained once per test run).
+RUN_ELSEWHERE = [*(readme_command(config) for config in STRATEGIES), readme_command("ddp"), "python train.py"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command", [c for c in section_commands("Launch on any hardware") if c not in SHARDED])
+def test_python_train_py_is_the_default_run(default_run):
+    """`python train.py` is conftest's default_run (the same command with an --output_dir): one process, alone."""
+    assert "python train.py" in section_commands("Launch on any hardware")
+    assert_processes(default_run, 1)
+    assert read_metrics(default_run)[0]["setup/strategy"] == "single process"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", [c for c in section_commands("Launch on any hardware") if c not in RUN_ELSEWHERE])
 def test_launch_command_runs(command, tmp_path):
     if "single_gpu" in command and not torch.cuda.is_available():
         pytest.skip("needs a GPU")

@@ -20,9 +20,7 @@ from tests.conftest import (
     run_command,
     run_main,
     run_python,
-    run_with_hook,
     series,
-    signal_at,
 )
 
 
@@ -35,17 +33,28 @@ def offline_runs(out) -> list:
     return sorted((out / "wandb").glob("offline-run-*"))
 
 
-@pytest.mark.slow
-def test_wandb_without_credentials_goes_offline_on_two_processes(tmp_path):
-    out = tmp_path / "run"
-    result = run_command(
-        [*launch_command(2), *QUICK, "--output_dir", str(out), "--report_to", "wandb"],
-        env=no_wandb_credentials(tmp_path), timeout=120,
-    )  # fmt: skip
+@pytest.fixture(scope="module")
+def wandb_and_mlflow(tmp_path_factory):
+    """(output_dir, console) of one 2-process launch with stdin closed that reports to wandb, without credentials, and
+    to MLflow, without MLFLOW_TRACKING_URI; and whether mlruns/ or mlflow.db were in the repository before it. Read,
+    not changed, by the tests (the resume test continues a copy)."""
+    home = tmp_path_factory.mktemp("home")
+    out = home / "run"
+    args = [*QUICK, "--output_dir", str(out), "--report_to", "wandb,mlflow", "--run_name", "r1",
+            "--run_group", "sweep1", "--save_steps", "3"]  # fmt: skip
+    in_repo = {name: (REPO / name).exists() for name in ("mlruns", "mlflow.db")}
+    result = run_command([*launch_command(2), *args], env={**no_wandb_credentials(home), "MLFLOW_TRACKING_URI": None},
+                         timeout=120)  # fmt: skip
     assert_ok(result)
     assert_processes(out, 2)
+    return out, result.stdout + result.stderr, in_repo
+
+
+@pytest.mark.slow
+def test_wandb_without_credentials_goes_offline_on_two_processes(wandb_and_mlflow):
+    out, console, _ = wandb_and_mlflow
     assert len(offline_runs(out)) == 1  # one run per launch, made by the main process alone
-    assert (result.stdout + result.stderr).count("wandb: no API key found, logging offline") == 1
+    assert console.count("wandb: no API key found, logging offline") == 1
 
 
 @pytest.mark.slow
@@ -62,14 +71,17 @@ def test_wandb_without_credentials_in_a_terminal_does_not_prompt(tmp_path):
 
 
 @pytest.mark.slow
-def test_resumed_run_continues_the_same_wandb_run(tmp_path):
+def test_resumed_run_continues_the_same_wandb_run(wandb_and_mlflow, tmp_path):
+    """The launch above (6 steps, checkpoints at 3 and 6) resumed by a start of 10 steps that reports to wandb: it
+    logs to the same wandb run (a second offline folder with the first one's id)."""
+    first, _, _ = wandb_and_mlflow
     out = tmp_path / "run"
+    shutil.copytree(first, out)
     args = [*QUICK, "--max_steps", "10", "--output_dir", str(out), "--report_to", "wandb",
-            "--resume_from_checkpoint", "latest"]  # fmt: skip
-    env = no_wandb_credentials(tmp_path)
-    hook = signal_at(4, "SIGTERM")
-    assert run_with_hook(tmp_path, args, hook, env=env).returncode == 75
-    assert_ok(run_with_hook(tmp_path, args, env=env))
+            "--save_steps", "3", "--resume_from_checkpoint", "latest"]  # fmt: skip
+    result = run_command([*launch_command(1), *args], env=no_wandb_credentials(tmp_path))
+    assert_ok(result)
+    assert "resuming from" in result.stdout + result.stderr
     run_ids = {path.name.rsplit("-", 1)[1] for path in offline_runs(out)}
     assert len(offline_runs(out)) == 2 and len(run_ids) == 1
 
@@ -88,19 +100,29 @@ def test_tensorboard_event_file_holds_the_logged_scalars(tmp_path):
     assert "eval/accuracy" in events.Tags()["scalars"]
 
 
-@pytest.mark.slow
-def test_report_to_none_imports_no_tracker(tmp_path):
-    code = f"""
+PIPED = """
 import sys
+from src.errors import command_line
 from train import main
-main({[*QUICK, "--output_dir", str(tmp_path / "run")]!r})
+command_line(main)(sys.argv[1:])
 loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("wandb", "tensorboard", "tensorboardX"))
 loaded += sorted(m for m in sys.modules if m.startswith("torch.utils.tensorboard"))
 print("TRACKER MODULES:", loaded)
 """
-    result = run_python("-c", code)
+
+
+@pytest.fixture(scope="module")
+def piped(tmp_path_factory):
+    """The console of a run in a process of its own (report_to none, the default), its output a pipe; it ends by
+    printing which tracker modules it imported."""
+    result = run_python("-c", PIPED, *QUICK, "--output_dir", str(tmp_path_factory.mktemp("piped") / "run"))
     assert_ok(result)
-    assert "TRACKER MODULES: []" in result.stdout
+    return result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_report_to_none_imports_no_tracker(piped):
+    assert "TRACKER MODULES: []" in piped
 
 
 @pytest.mark.slow
@@ -121,16 +143,14 @@ PROGRESS_BAR = re.compile(r"\| *6/6 \[[^\]]*(step/s|s/step)")
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("script") is None, reason="needs util-linux `script` for a pseudo-terminal")
-def test_progress_bar_in_a_terminal_and_plain_lines_otherwise(tmp_path):
+def test_progress_bar_in_a_terminal_and_plain_lines_otherwise(tmp_path, piped):
     command = [*launch_command(1), *QUICK, "--output_dir", str(tmp_path / "tty")]
     # a terminal with a size, as a user's has (`script` alone makes a 0x0 one, where tqdm hides the bar)
     in_terminal = run_command(["script", "-qec", f"stty rows 24 cols 120 && {shlex.join(command)}", "/dev/null"])
     assert_ok(in_terminal)
     assert PROGRESS_BAR.search(in_terminal.stdout), in_terminal.stdout[-2000:]  # `script` merges both streams
 
-    captured = run_command([*launch_command(1), *QUICK, "--output_dir", str(tmp_path / "pipe")])
-    assert_ok(captured)
-    logs = captured.stdout + captured.stderr
+    logs = piped  # the same training, its output a pipe
     assert not PROGRESS_BAR.search(logs) and "step/s" not in logs and "\r" not in logs
     assert [int(step) for step in re.findall(r"step (\d+) \| train/loss", logs)] == [2, 4, 6]  # plain lines
 
@@ -165,15 +185,11 @@ def test_all_means_the_installed_trackers_and_a_missing_one_is_an_error(monkeypa
 
 
 @pytest.mark.slow
-def test_mlflow_offline_store_in_output_dir_holds_the_metrics_of_one_run(tmp_path):
+def test_mlflow_offline_store_in_output_dir_holds_the_metrics_of_one_run(wandb_and_mlflow):
     """Two processes, no MLFLOW_TRACKING_URI: one MLflow run in output_dir/mlflow.db with metrics.jsonl's values."""
     from mlflow import MlflowClient
 
-    out = tmp_path / "run"
-    args = [*QUICK, "--output_dir", str(out), "--report_to", "mlflow", "--run_name", "r1", "--run_group", "sweep1"]
-    in_repo = {name: (REPO / name).exists() for name in ("mlruns", "mlflow.db")}
-    assert_ok(run_command([*launch_command(2), *args], env={"MLFLOW_TRACKING_URI": None}))
-    assert_processes(out, 2)
+    out, _, in_repo = wandb_and_mlflow
     assert {name: (REPO / name).exists() for name in in_repo} == in_repo  # nothing in the working directory
     client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name(TrainConfig.project_name).experiment_id])
