@@ -14,10 +14,11 @@ import sys
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from src.cli import parse_config
 from src.errors import UsageError
+from src.imports import hidden
 from tests.conftest import (
     QUICK,
     REPO,
@@ -112,16 +113,12 @@ def test_a_task_written_from_the_guide_trains_the_same_on_1_and_2_processes(tmp_
             del sys.modules[name]
 
 
-# train.py with the EMA of scripts/examples/ema.py attached where docs/customize.md puts it, without editing the
-# file: made when the model and optimiser are prepared, updated by a hook after each optimiser step. At the end each
-# process writes its EMA as a model folder, <output_dir>/ema<rank>/model.safetensors.
-WITH_EMA = """
-import os, sys
-sys.path.insert(0, {repo!r})
+# The EMA of scripts/examples/ema.py attached to train.py where docs/customize.md puts it, without editing the file:
+# made when the model and optimiser are prepared, updated by a hook after each optimiser step. Run with it in this
+# process (1 process), or in the script below (launched on 2).
+ATTACH_EMA = """
 import accelerate, torch
-from safetensors.torch import save_file
 from scripts.examples.ema import EMA
-import train
 
 made, models, optimizers = [], [], []
 prepare = accelerate.Accelerator.prepare
@@ -136,9 +133,21 @@ def prepare_with_an_ema(self, *objects, **kwargs):
         optimizers[0].register_step_post_hook(lambda *_: ema.update(model))  # after every optimiser step
         made.append(ema)
     return prepared
+"""
 
+# train.py with the EMA attached; at the end each process writes its EMA as a model folder,
+# <output_dir>/ema<rank>/model.safetensors. deepspeed hidden: Accelerate's unwrap_model (in EMA.update) would import
+# it (~2 s a process) only to find that the model is no DeepSpeedEngine (src/imports.py).
+WITH_EMA = """
+import os, sys
+sys.path.insert(0, {repo!r})
+{attach}
 accelerate.Accelerator.prepare = prepare_with_an_ema
-train.main(sys.argv[1:])
+from safetensors.torch import save_file
+from src.imports import hidden
+import train
+with hidden("deepspeed"):
+    train.main(sys.argv[1:])
 (ema,) = made
 folder = os.path.join(sys.argv[sys.argv.index("--output_dir") + 1], "ema" + os.environ.get("RANK", "0"))
 os.makedirs(folder)
@@ -165,14 +174,26 @@ def test_the_guides_ema_is_the_same_on_1_and_2_processes_and_survives_a_resume(t
     """The guide's EMA in train.py's loop: the averaged weights are the same on 1 and 2 processes, are not the final
     weights, evaluate as a model folder, and a run resumed from a mid-way checkpoint ends with the same average (the
     EMA is registered for checkpointing)."""
+    import accelerate
+
     script = tmp_path / "train_with_ema.py"
-    script.write_text(WITH_EMA.format(repo=str(REPO)))
+    script.write_text(WITH_EMA.format(repo=str(REPO), attach=ATTACH_EMA))
 
     def run(processes: int, out, *extra: str) -> dict[str, torch.Tensor]:
-        command = [part if part != "train.py" else str(script) for part in launch_command(processes)]
         args = ["--learning_rate", "1e-3", "--max_steps", "40", "--save_steps", "20", "--logging_steps", "10",
                 "--eval_steps", "1000", "--output_dir", str(out), *extra]  # fmt: skip
-        assert_ok(run_command([*command, *args]))
+        if processes == 1:  # in this process: the same EMA, saved as the script saves it
+            attached = {}
+            exec(ATTACH_EMA, attached)
+            with pytest.MonkeyPatch.context() as patch, hidden("deepspeed"):
+                patch.setattr(accelerate.Accelerator, "prepare", attached["prepare_with_an_ema"])
+                assert_ok(run_main(*args))
+            (ema,) = attached["made"]
+            (out / "ema0").mkdir()
+            save_file(ema.model.state_dict(), out / "ema0" / "model.safetensors")
+        else:
+            command = [part if part != "train.py" else str(script) for part in launch_command(processes)]
+            assert_ok(run_command([*command, *args]))
         assert_processes(out, processes)
         averages = [load_file(out / f"ema{rank}" / "model.safetensors") for rank in range(processes)]
         for other in averages[1:]:  # each process's copy is the same

@@ -19,23 +19,43 @@ from tests.conftest import (
 from tests.helpers import needs
 
 LAUNCH_TWICE = """
-import sys
+import os, signal, sys
+os.setpgrp()  # a hang ends with its forked processes: the deadline kills the whole group, not only this process
+signal.signal(signal.SIGALRM, lambda *_: os.killpg(0, signal.SIGKILL))
+signal.alarm({deadline})
 sys.path.insert(0, {repo!r})
 from accelerate import notebook_launcher
 from train import main
-for run in ("a", "b"):  # a second launch from the same process, like re-running a notebook cell
-    notebook_launcher(main, args=({quick!r} + ["--output_dir", {out!r} + run],), num_processes=2)
+for args in {runs!r}:  # a second launch from the same process, like re-running a notebook cell
+    notebook_launcher(main, args=(args,), num_processes=2)
 """
+
+# No improvement at steps 20 and 30 (the learning rate moves nothing): patience 2 stops at step 30.
+EARLY_STOPPING = ["--max_steps", "200", "--eval_steps", "10", "--logging_steps", "10", "--learning_rate", "1e-9",
+                  "--early_stopping_patience", "2", "--early_stopping_metric", "eval/accuracy",
+                  "--early_stopping_mode", "max"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def launched_twice(tmp_path_factory):
+    """Two 2-process runs from one Python process through notebook_launcher, as a notebook re-runs its cell: a short
+    one, then one that stops early (result, {name: output_dir})."""
+    folder = tmp_path_factory.mktemp("notebook_launcher")
+    runs = {"quick": [*QUICK, "--output_dir", str(folder / "quick")],
+            "early": [*EARLY_STOPPING, "--output_dir", str(folder / "early")]}  # fmt: skip
+    # a process that stopped early alone would leave the other hanging until the deadline (then exit -9)
+    result = run_python("-c", LAUNCH_TWICE.format(repo=str(REPO), runs=list(runs.values()), deadline=150))
+    return result, {name: folder / name for name in runs}
 
 
 @pytest.mark.slow
-def test_notebook_launcher_forms_a_two_process_group_and_can_rerun(tmp_path):
-    result = run_python("-c", LAUNCH_TWICE.format(repo=str(REPO), quick=QUICK, out=str(tmp_path / "run_")))
+def test_notebook_launcher_forms_a_two_process_group_and_can_rerun(launched_twice):
+    result, runs = launched_twice
     assert_ok(result)
-    for run in ("a", "b"):
-        assert_processes(tmp_path / f"run_{run}", 2)
-        rows = read_metrics(tmp_path / f"run_{run}")
-        assert [r["step"] for r in rows if "train/loss" in r] == [2, 4, 6]  # one metrics file, each step once
+    for out in runs.values():
+        assert_processes(out, 2)
+    rows = read_metrics(runs["quick"])
+    assert [r["step"] for r in rows if "train/loss" in r] == [2, 4, 6]  # one metrics file, each step once
 
 
 @pytest.mark.slow
@@ -74,15 +94,15 @@ def test_auto_find_batch_size_keeps_the_global_batch(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_early_stopping_stops_every_process_at_the_same_step(tmp_path):
-    out = tmp_path / "run"
-    result = run_train("--max_steps", "200", "--eval_steps", "10", "--logging_steps", "10", "--learning_rate", "1e-9",
-                       "--early_stopping_patience", "2", "--early_stopping_metric", "eval/accuracy",
-                       "--early_stopping_mode", "max", "--output_dir", str(out), processes=2, timeout=120)  # fmt: skip
-    assert_ok(result)  # a process that stopped alone would leave the other hanging until the timeout
+def test_early_stopping_stops_every_process_at_the_same_step(launched_twice):
+    """The second run of launched_twice, on 2 processes."""
+    result, runs = launched_twice
+    assert_ok(result)
+    out = runs["early"]
     assert_processes(out, 2)
     rows = read_metrics(out)
     assert rows[-1]["step"] == 30  # no improvement at steps 20 and 30
+    assert [r["step"] for r in rows if "train/loss" in r] == [10, 20, 30]
     assert (out / "checkpoints" / "step_30").is_dir() and (out / "model" / "model.safetensors").exists()
     assert (result.stdout + result.stderr).count("early stopping at step 30") == 1
 
