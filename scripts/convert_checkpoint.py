@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from src.errors import UsageError, command_line  # noqa: E402
-from src.run_dir import CONFIG_FILE, STATE_FILE  # noqa: E402
+from src.run_dir import CONFIG_FILE, STATE_FILE, TMP_PREFIX  # noqa: E402
 
 WHOLE = ("model.safetensors", "optimizer.bin")  # what Accelerate's save_state writes for one process or DDP
 SHARDED = ("pytorch_model_fsdp_0", "optimizer_0")  # ... and under FSDP2 (DCP folders)
@@ -56,9 +56,10 @@ def convert(source: Path, target: Path, to: str) -> None:
     else:
         model.load_state_dict(safetensors.torch.load_file(source / WHOLE[0]))
         optimizer.load_state_dict(torch.load(source / WHOLE[1], weights_only=True))
-    partial = target.with_name(target.name + ".converting")
+    # written as save_checkpoint writes one: under TMP_PREFIX (which a run clears), the trainer state last
+    partial = target.with_name(TMP_PREFIX + target.name)
     shutil.rmtree(partial, ignore_errors=True)
-    shutil.copytree(source, partial, ignore=shutil.ignore_patterns(*WHOLE, *SHARDED))
+    shutil.copytree(source, partial, ignore=shutil.ignore_patterns(*WHOLE, *SHARDED, STATE_FILE))
     if sharded:
         safetensors.torch.save_file(model.state_dict(), partial / WHOLE[0], metadata={"format": "pt"})
         torch.save(optimizer.state_dict(), partial / WHOLE[1])
