@@ -218,7 +218,8 @@ def train_step(accelerator, task, model, optimizer, window, meter: meters.TrainM
     grad_norm = None
     if measure_norm:  # max_norm inf: the norm measured, nothing clipped
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm or math.inf)
-    if config.skip_nonfinite_batches and not is_finite(grad_norm):  # the same on every process: all-reduced grads
+    # the same on every process (all-reduced gradients); DeepSpeed may give no norm
+    if config.skip_nonfinite_batches and grad_norm is not None and not torch.isfinite(grad_norm).all():
         optimizer.zero_grad()
         meter.skipped_steps += 1
     optimizer.step()
@@ -289,10 +290,6 @@ def finish(run: Setup, config: TrainConfig, metrics: dict, step: int) -> dict:
         run_dir.write_atomically(accelerator, path, "".join(json.dumps(row) + "\n" for row in rows))
         logger.info("%d predictions of the %s split written to %s", len(rows), run.predict_split, path)
     return metrics
-
-
-def is_finite(grad_norm: torch.Tensor | None) -> bool:
-    return grad_norm is None or bool(torch.isfinite(grad_norm).all())  # DeepSpeed may give no norm
 
 
 @torch.no_grad()

@@ -19,15 +19,6 @@ import typing
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def config_file_argument(args: list[str]) -> str | None:
-    for i, arg in enumerate(args):
-        if arg == "--config_file" and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith("--config_file="):
-            return arg.split("=", 1)[1]
-    return None
-
-
 def check_config_file(path: str) -> str | None:
     """None if accelerate's own loader accepts the file, else the reason."""
     from accelerate.commands.config.config_args import load_config_from_file
@@ -96,7 +87,9 @@ def check_machine(config) -> str | None:
 
 def exit_if_unusable(args: list[str]) -> None:
     """One `error:` line and exit code 2 when the launch's config file can't run here."""
-    path = config_file_argument(args)
+    from accelerate.commands.launch import launch_command_parser
+
+    path = launch_command_parser().parse_args(args).config_file  # as `accelerate launch` reads it
     problem = check_config_file(path) if path else None
     if problem:
         print(f"error: {problem}", file=sys.stderr)

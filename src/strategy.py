@@ -16,8 +16,7 @@ FSDP, DEEPSPEED = "FSDP", "DEEPSPEED"
 
 def requested_strategy() -> str | None:
     """FSDP or DEEPSPEED when the accelerate config asks for one, else None (DDP, or one process)."""
-    asked = [name for name in (FSDP, DEEPSPEED) if os.environ.get(f"ACCELERATE_USE_{name}", "").lower() == "true"]
-    return asked[0] if asked else None
+    return next((n for n in (FSDP, DEEPSPEED) if os.environ.get(f"ACCELERATE_USE_{n}", "").lower() == "true"), None)
 
 
 def check_launch(use_cpu: bool, config=None) -> None:
