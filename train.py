@@ -204,9 +204,8 @@ def train(config: TrainConfig) -> dict:
 
 
 def train_step(accelerator, task, model, optimizer, window, meter: meters.TrainMeters, config, measure_norm: bool):
-    """One optimiser step over a whole accumulation window: forward and backward per micro-batch (gradients sync on
-    the last), then clip and step. Returns the gradient norm when `measure_norm` (with --max_grad_norm or
-    --skip_nonfinite_batches, and at log steps), else None."""
+    """One optimiser step over an accumulation window: forward and backward per micro-batch (gradients sync on the
+    last), then clip and step. The gradient norm when `measure_norm`, else None."""
     scale = None  # a loss that is a sum: scaled by its terms' count over the global batch (see summed_loss_scale)
     if task.loss_reduction == "sum":
         scale = distributed.summed_loss_scale(accelerator, task, window)
@@ -246,8 +245,8 @@ def finish_training(run: Setup, config, state: checkpoint.TrainerState, best: Be
 
 
 def predict(args: list[str] | TrainConfig) -> list[dict]:
-    """The rows of predictions.jsonl, from Python: a saved model (by default the run's model/) over the test split,
-    e.g. `predict(["--data_files", "{test: new.parquet}"])`. Nothing is trained or evaluated."""
+    """predictions.jsonl's rows, from Python: a saved model (by default the run's model/) over the test split, e.g.
+    `predict(["--data_files", "{test: new.parquet}"])`; nothing is trained or evaluated."""
     only = {"do_train": False, "do_eval": False, "do_predict": True}
     if isinstance(args, TrainConfig):
         config = parse_config(replace(args, **only))
@@ -274,8 +273,7 @@ def evaluate_and_predict(config: TrainConfig) -> dict:
 
 
 def finish(run: Setup, config: TrainConfig, metrics: dict, step: int) -> dict:
-    """After training, or instead of it: the test split's metrics, eval_results.json and, with --do_predict,
-    predictions.jsonl of the predicted split. Returns all the metrics."""
+    """After training or instead of it: the test split's metrics, eval_results.json, predictions.jsonl; all metrics."""
     accelerator, task, output_dir = run.accelerator, run.task, Path(config.output_dir)
     if run.test_loader is not None:
         test_metrics = evaluate(task, run.model, run.test_loader, run.metric, accelerator, prefix="test")
@@ -319,8 +317,8 @@ def evaluate(task, model, eval_loader, metric, accelerator, prefix: str = "eval"
 
 @torch.no_grad()
 def predictions(task, model, loader, accelerator) -> list[dict]:
-    """task.predict() over every sample once, in input order, on any process count (gather_for_metrics drops the
-    samples that pad uneven shards). Every process returns all rows."""
+    """task.predict() over every sample once, in input order (gather_for_metrics drops the padding of uneven shards);
+    every process returns all rows."""
     model.eval()
     outputs = [accelerator.gather_for_metrics(task.predict(model, batch)) for batch in loader]
     model.train()

@@ -115,13 +115,11 @@ def launch(args: list[str]) -> int:
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(reported)
     try:
         launch_command(launch_command_parser().parse_args(args))
-    except ChildFailedError as err:  # torch elastic: the processes' first failure is the cause
-        if err.get_first_failure()[1].exitcode in DOCUMENTED_EXIT_CODES:
-            return err.get_first_failure()[1].exitcode
-        raise
-    except subprocess.CalledProcessError as err:  # one process, started by Accelerate's simple launcher
-        if err.returncode in DOCUMENTED_EXIT_CODES:
-            return err.returncode
+    except (ChildFailedError, subprocess.CalledProcessError) as err:
+        # torch elastic: the processes' first failure is the cause; one process: Accelerate's simple launcher's
+        code = err.get_first_failure()[1].exitcode if isinstance(err, ChildFailedError) else err.returncode
+        if code in DOCUMENTED_EXIT_CODES:
+            return code
         raise
     return 0
 

@@ -20,8 +20,7 @@ SPLIT_SEED = 0
 
 
 def write_split(path: Path, images: np.ndarray, labels: np.ndarray) -> None:
-    table = pa.table({"pixels": images.astype(np.uint8).tolist(), "label": labels.astype(np.int64)})
-    pq.write_table(table, path)
+    pq.write_table(pa.table({"pixels": images.astype(np.uint8).tolist(), "label": labels.astype(np.int64)}), path)
 
 
 def main() -> None:

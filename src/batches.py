@@ -1,5 +1,5 @@
-"""Training batches in whole accumulation windows: the prepared DataLoader's (`LoaderBatches`) or, for data held in
-tensors, the same batches each gathered at once by its batch sampler's indices (`IndexBatches`, docs/benchmark.md)."""
+"""Training batches in whole accumulation windows: the DataLoader's, or for tensor data one gather per batch
+(docs/benchmark.md)."""
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -18,8 +18,8 @@ from src.errors import UsageError
 
 @dataclass
 class DataPosition:
-    """Where training is in its data: the epoch, and the optimiser steps already taken in it. For data of known
-    length it follows from the step; a stream's is saved in every checkpoint (`register_for_checkpointing`)."""
+    """Where training is in its data: the epoch and the optimiser steps taken in it. It follows from the step for data
+    of known length; a stream's is saved in every checkpoint."""
 
     epoch: int = 0
     steps: int = 0
@@ -32,9 +32,8 @@ class DataPosition:
 
 
 def train_windows(source, accumulation: int, position: DataPosition) -> Iterator[list]:
-    """Each optimiser step's micro-batches (a whole accumulation window), epoch after epoch from `position` on, which
-    moves with it; an epoch's trailing partial window is skipped, so every step sees one global batch.
-    `source.epoch(epoch, skip)`: an epoch's batches after the first `skip`, a function of the seed and the epoch."""
+    """Each optimiser step's micro-batches from `position` on, which moves with it; an epoch's trailing partial window
+    is skipped, so every step sees one global batch. `source.epoch(epoch, skip)`: a function of seed and epoch."""
     while True:
         batches = iter(source.epoch(position.epoch, skip=position.steps * accumulation))
         while len(window := list(islice(batches, accumulation))) == accumulation:
@@ -48,7 +47,7 @@ def train_windows(source, accumulation: int, position: DataPosition) -> Iterator
 
 
 def steps_per_epoch(loader: DataLoader, accumulation: int) -> int | None:
-    """Optimiser steps in an epoch of the train loader (whole accumulation windows), or None for a stream."""
+    """Optimiser steps (whole accumulation windows) in an epoch of the train loader; None for a stream."""
     return None if isinstance(loader.dataset, IterableDataset) else len(loader) // accumulation
 
 
@@ -62,7 +61,7 @@ class EpochDependent(Protocol):
 
 
 class LoaderBatches:
-    """The prepared DataLoader, epoch by epoch; a resumed epoch skips the batches already trained on."""
+    """The prepared DataLoader; a resumed epoch skips the batches already trained on."""
 
     def __init__(self, accelerator, loader: DataLoader):
         self.accelerator, self.loader = accelerator, loader
@@ -77,7 +76,7 @@ class LoaderBatches:
 
 @runtime_checkable
 class Gatherable(Protocol):
-    """A dataset whose batch at a tensor of indices is one gather: what `default_collate` makes of those samples."""
+    """A dataset whose batch at a tensor of indices is one gather, equal to `default_collate` of those samples."""
 
     def gather(self, indices: torch.Tensor): ...
     def to(self, device: torch.device) -> "Gatherable": ...  # the same rows, held on `device`
@@ -85,7 +84,7 @@ class Gatherable(Protocol):
 
 
 class TensorRows(TensorDataset):
-    """A TensorDataset that gathers a batch: each tensor's rows at `indices`, as default_collate stacks them."""
+    """A TensorDataset that gathers a batch, as default_collate stacks it."""
 
     def gather(self, indices: torch.Tensor) -> list[torch.Tensor]:
         return [tensor.index_select(0, indices) for tensor in self.tensors]  # index_select: cheaper than t[indices]
@@ -98,7 +97,7 @@ class TensorRows(TensorDataset):
 
 
 class SubsetRows:
-    """`--max_train_samples` on a gatherable dataset: its first rows, gathered without a copy."""
+    """`--max_train_samples` on a gatherable dataset, without a copy."""
 
     def __init__(self, dataset: Gatherable, indices: torch.Tensor):
         self.dataset, self.indices = dataset, indices
@@ -114,7 +113,7 @@ class SubsetRows:
 
 
 def gatherable(dataset: Dataset) -> Gatherable | None:
-    """The dataset as one that gathers batches, or None when its samples must be fetched one by one."""
+    """The dataset as one that gathers batches; None when its samples must be fetched one by one."""
     if isinstance(dataset, Subset):
         inner = gatherable(dataset.dataset)
         return None if inner is None else SubsetRows(inner, torch.as_tensor(dataset.indices))
@@ -126,10 +125,10 @@ def gatherable(dataset: Dataset) -> Gatherable | None:
 
 
 class EpochOrder:
-    """This process's sample indices for an epoch, in one tensor: those the prepared loader's batch sampler yields,
-    which cost a Python generator step per sample to draw. A batch sampler (Accelerate's shards and padding included)
-    takes the same *positions* of its sampler's sequence every epoch: read once from epoch 0, they make an epoch one
-    randperm and one gather where the sequence is known (`known_sequence`) and gives epoch 1's indices; else drawn."""
+    """This process's sample indices for an epoch, in one tensor: those the prepared loader's batch sampler yields at a
+    Python generator step per sample. A batch sampler (Accelerate's shards and padding included) takes the same
+    *positions* of its sampler's sequence every epoch: read from epoch 0, they make an epoch one randperm and one gather
+    where the sequence is known (checked on epoch 1); else drawn."""
 
     def __init__(self, loader: DataLoader):
         self.loader = loader
@@ -155,8 +154,8 @@ class EpochOrder:
 
 
 def known_sequence(sampler, epoch: int) -> torch.Tensor | None:
-    """The sampler's whole sequence for `epoch` as its own code computes it, or None: Accelerate's
-    SeedableRandomSampler (one randperm, its generator seeded with its seed + the epoch), the SequentialSampler."""
+    """The sampler's sequence for `epoch` as its own code computes it (Accelerate's SeedableRandomSampler: one randperm
+    seeded with seed + epoch; SequentialSampler), else None."""
     if type(sampler) is SequentialSampler:
         return torch.arange(len(sampler.data_source))
     if type(sampler) is SeedableRandomSampler and not sampler.replacement:
@@ -171,9 +170,8 @@ def flatten(batches: list[list[int]]) -> torch.Tensor:
 
 
 class IndexBatches:
-    """The same batches as `LoaderBatches`, each one gather at `EpochOrder`'s indices; on a GPU, rows that take at most
-    a quarter of its free memory are moved there once. The DataLoader draws a worker seed from torch's global RNG each
-    epoch and this does not, so a model with dropout draws other masks here."""
+    """`LoaderBatches`' batches, each one gather; on a GPU, rows taking at most a quarter of its free memory move there
+    once. Unlike the DataLoader this draws no worker seed from torch's global RNG, so dropout masks differ."""
 
     def __init__(self, loader: DataLoader, dataset: Gatherable, device: torch.device):
         self.order, self.device = EpochOrder(loader), device
@@ -190,7 +188,6 @@ class IndexBatches:
 
 
 def train_data(accelerator, loader: DataLoader, config: TrainConfig, collate_fn) -> IndexBatches | LoaderBatches:
-    """Batches by index when the data is in tensors and default_collate batches it; else the DataLoader's."""
     dataset = gatherable(loader.dataset) if config.dataloader_index_batches and collate_fn is None else None
     if dataset is None:
         return LoaderBatches(accelerator, loader)

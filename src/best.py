@@ -1,11 +1,9 @@
 """Keep the best, stop early: both watch one eval metric for improvements, at every evaluation.
-
 `--metric_for_best_model` (`--greater_is_better`): a new best evaluation is checkpointed, rotation never removes that
 checkpoint, and `--load_best_model_at_end` loads it. `--early_stopping_patience N`: training stops after N evaluations
 without an improvement of `--early_stopping_metric` (`--early_stopping_mode`). Every process sees the same gathered
 metrics, so all decide the same at the same step without a collective; the counters live in the trainer state, so a
-resumed run continues them.
-"""
+resumed run continues them."""
 
 import logging
 

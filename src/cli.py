@@ -1,8 +1,6 @@
 """The command line: flags and `--config` YAML files -> a resolved TrainConfig, with the chosen task's options.
-
-Parsing, type checking and the YAML files are jsonargparse's job. The task is found first; its `Options` dataclass
-(src/tasks/) joins the same parser, so its fields are flags and YAML keys like any other (`--task X --help` shows them).
-"""
+jsonargparse parses and type-checks; the task's `Options` dataclass (src/tasks/) joins the same parser, so its fields
+are flags and YAML keys like any other (`--task X --help` shows them)."""
 
 import dataclasses
 import difflib
@@ -54,7 +52,6 @@ def parse_config(argv: "list[str] | TrainConfig | None") -> TrainConfig:
 
 
 def flag_values(argv: list[str], name: str) -> list[str]:
-    """Each `--name X` / `--name=X` on the command line, in order."""
     values = []
     for arg, following in itertools.pairwise([*argv, None]):
         if arg == f"--{name}" and following is not None:
@@ -79,7 +76,6 @@ def yaml_mapping(path: Path) -> dict | None:
 
 
 def config_files(argv: list[str]) -> list[tuple[Path, dict]]:
-    """The `--config` files of the command line that hold a YAML mapping, in order."""
     return [(Path(v), loaded) for v in flag_values(argv, "config") if (loaded := yaml_mapping(Path(v))) is not None]
 
 

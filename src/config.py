@@ -1,7 +1,6 @@
 """The run's configuration: TrainConfig, what every run has (the chosen task adds its own options), and its checks.
-
-Names follow Hugging Face `TrainingArguments` where one exists; src/cli.py reads the fields from flags and YAML files.
-"""
+Names follow Hugging Face `TrainingArguments` where one exists; src/cli.py reads the fields from flags and YAML
+files."""
 
 import dataclasses
 import difflib

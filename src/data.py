@@ -1,5 +1,5 @@
 """Reading a task's data: `datasets.load_dataset` on local Parquet/CSV/JSON files, image folders or a Hub name
-(`load_splits`); for data that becomes tensors, pyarrow Tables without `datasets` (`load_tables`, `column_tensor`)."""
+(`load_splits`); for tensor data, pyarrow Tables without `datasets` (`load_tables`, `column_tensor`)."""
 
 from pathlib import Path
 
@@ -36,8 +36,8 @@ def load_splits(config: TrainConfig, names: list[str] | None = None):
 
 
 def load_tables(config: TrainConfig, names: list[str] | None = None, columns: list[str] | None = None) -> dict:
-    """The splits `names` (default: train and eval) as pyarrow Tables of those of `columns` they have (None: all);
-    local Parquet files are read by pyarrow, as datasets' Parquet builder does, without importing `datasets`."""
+    """The splits `names` (default: train and eval) as pyarrow Tables of those of `columns` they have (None: all); local
+    Parquet is read by pyarrow, as datasets' builder does, without importing `datasets`."""
     names = names or [config.train_split, config.eval_split]
     files, builder = local_files(config, names)
     if builder != "parquet":
@@ -85,9 +85,9 @@ def check_rows(rows: int, split: str) -> None:
 
 
 def column_tensor(table, name: str, split: str, missing_as_nan: bool = True):
-    """Column `name` of a pyarrow Table as a tensor, as datasets' torch format gives it: integers int64, floats
-    float32, booleans bool; lists of one length (nested too) a dimension each; missing floats NaN (unless
-    `missing_as_nan` is False: labels). Through DLPack: pyarrow's to_numpy() would import pandas."""
+    """A pyarrow Table's column as datasets' torch format gives it: int64, float32 or bool, lists of one length (nested
+    too) a dimension each, missing floats NaN (unless `missing_as_nan` is False: labels). Through DLPack: pyarrow's
+    to_numpy() would import pandas."""
     import pyarrow as pa
     import pyarrow.compute as pc
     import torch
@@ -112,8 +112,8 @@ def column_tensor(table, name: str, split: str, missing_as_nan: bool = True):
 
 
 def reads_local_files(config: TrainConfig) -> bool:
-    """--data_files without --dataset_name, or with a `datasets` builder of local files as its name (`imagefolder`,
-    `parquet`, ...): the files are read, the Hub is never asked."""
+    """--data_files without --dataset_name, or with a local-file builder as its name (`imagefolder`, `parquet`, ...):
+    the Hub is never asked."""
     if config.dataset_name not in (None, *LOCAL_BUILDERS):
         return False
     if not config.data_files:
@@ -127,12 +127,11 @@ def reads_local_files(config: TrainConfig) -> bool:
 
 
 def no_data(config: TrainConfig) -> UsageError:
-    """The config names neither data files nor a dataset (and the task has no default_data_files)."""
     return UsageError(f"no data for --task {config.task}: set --data_files (local files) or --dataset_name")
 
 
 def has_split(config: TrainConfig, name: str) -> bool:
-    """Whether the data holds split `name` (the optional test split); no data named: none (the task's own data)."""
+    """Whether the data holds split `name` (the optional test split); False for the task's own data."""
     if not (config.data_files or config.dataset_name):
         return False
     return name in (config.data_files if reads_local_files(config) else load_hub_dataset(config))
@@ -177,7 +176,6 @@ def load_hub_dataset(config: TrainConfig):
 
 
 def check_columns(split, wanted: list[str], flags: str) -> None:
-    """A UsageError naming the absent columns, the ones the data has and the flags that choose them."""
     if missing := set(wanted) - set(split.column_names):
         raise UsageError(
             f"the data has no column {', '.join(sorted(missing))} (it has {', '.join(split.column_names)}); set {flags}"

@@ -117,7 +117,6 @@ def command_line(fn):
 
 
 def one_line(err: Exception) -> str:
-    """An error's message on one line."""
     return " ".join(str(err).split())
 
 

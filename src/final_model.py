@@ -16,7 +16,7 @@ from src.run_dir import CONFIG_FILE, MODEL_DIR, STATE_FILE
 
 
 def save_final_model(accelerator, task, model, output_dir: Path) -> Path:
-    """export_model into output_dir/model/ (FSDP/DeepSpeed shards gathered from every process), then all wait for it."""
+    """export_model into output_dir/model/, then every process waits for it."""
     export_model(accelerator, task, model, output_dir / MODEL_DIR)
     accelerator.wait_for_everyone()
     return output_dir / MODEL_DIR
@@ -41,7 +41,6 @@ def label_maps(labels: list) -> dict:
 
 
 def save_labels(directory: Path, labels: list) -> None:
-    """The class names in id order, as label_maps() in labels.json."""
     (Path(directory) / LABELS_FILE).write_text(json.dumps(label_maps(labels), indent=2) + "\n")
 
 

@@ -137,7 +137,6 @@ class TrainMeters:
         self.shard_bytes_logged = False
 
     def log_step(self, step: int, lr: float, grad_norm: torch.Tensor | None, epoch: float) -> dict:
-        """The metrics of log step `step`; the window and the timer start again."""
         train_loss = self.losses.mean(next_step=step + 1)  # waits for the device: time after it
         step_time = self.timer.seconds_per_step(step)
         self.timer.restart(step)

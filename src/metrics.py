@@ -49,7 +49,7 @@ BUILT_IN = {"accuracy": Accuracy}
 
 
 class Metrics(list):
-    """Several metrics as one: each gets every batch, compute() merges their results."""
+    """Several metrics as one: compute() merges their results."""
 
     def add_batch(self, *, predictions, references) -> None:
         for metric in self:

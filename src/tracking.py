@@ -1,8 +1,6 @@
 """What the main process alone writes: console lines, `metrics.jsonl`, trackers (wandb, mlflow, ...), the progress bar.
-
 The rule lives here, once (other processes' consoles are silenced; Accelerate's `log` and `init_trackers` run on the
-main process only), so the training loop never asks which rank it is on.
-"""
+main process only), so the training loop never asks which rank it is on."""
 
 import contextlib
 import json
@@ -76,7 +74,7 @@ class JsonlTracker(GeneralTracker):
 
 
 def build_trackers(config: TrainConfig) -> list:
-    """`log_with` for the Accelerator: metrics.jsonl always, plus whatever --report_to names."""
+    """`log_with`: metrics.jsonl always, plus whatever --report_to names."""
     return [JsonlTracker(Path(config.output_dir) / METRICS_FILE), *config.report_to]
 
 

@@ -27,13 +27,12 @@ class Feature:
     Options: type | None = None  # a dataclass of the feature's flags; None: it has none
     tasks: dict[str, str] = {}  # --task names it adds -> "module.Class" (imported only when chosen)
 
-    def options(self, config):
-        """This feature's options, typed, from the run's config."""
+    def options(self, config):  # this feature's options, typed
         return options_of(self.Options, config.feature_args)
 
     def check_launch(self, use_cpu: bool, config) -> None:
-        """What the accelerate config asks for that this machine can't give, before the processes form a group: raise
-        LaunchError. `config` None: the accelerate config alone (scripts/launch.py)."""
+        """Before the processes form a group: raise LaunchError for what this machine can't give the accelerate config
+        (`config` None: the accelerate config alone, scripts/launch.py)."""
 
     def accelerator_options(self, use_cpu: bool, config) -> dict | None:
         """The Accelerator's arguments for a strategy the feature runs (`cpu` included), or None: not its strategy."""
@@ -113,5 +112,5 @@ def feature_tasks() -> dict[str, str]:
 
 
 def option_classes() -> list[type]:
-    """The installed features' Options dataclasses: what the command line adds to TrainConfig's fields."""
+    """The installed features' Options dataclasses: fields the command line adds to TrainConfig's."""
     return [feature.Options for feature in installed() if feature.Options is not None]

@@ -66,7 +66,6 @@ def task_name(name: str) -> str:
 
 
 def build_task(config) -> Task:
-    """The task, built once from the run's config and its own options (parsed and type-checked here)."""
     cls = task_class(config.task)
     if cls.loss_reduction not in ("mean", "sum"):
         raise UsageError(f"{cls.__name__}.loss_reduction must be 'mean' or 'sum' (got {cls.loss_reduction!r})")

@@ -21,7 +21,7 @@ batches and logits), `HuggingFaceTask` (src/features/hf/base.py: loads and saves
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import make_dataclass
 from pathlib import Path
 from traceback import walk_tb
 from typing import TYPE_CHECKING, ClassVar
@@ -38,18 +38,11 @@ if TYPE_CHECKING:
     from src.config import TrainConfig
 
 
-@dataclass
-class NoOptions:
-    """A task without options of its own."""
-
-
 class Task:
-    """Subclass it and implement the four methods marked "must"; everything else has a default. `self.config` is the
-    run's TrainConfig (data files, splits, batch sizes, ...), `self.options` this task's `Options`, parsed and
-    type-checked before the task is built. Raise `src.errors.UsageError` for bad input: the run ends with that one
-    line and exit code 2."""
+    """`self.config`: the run's TrainConfig (data files, splits, batch sizes, ...); `self.options`: this task's
+    `Options`, parsed and type-checked. Bad input: raise `src.errors.UsageError` (one line, exit code 2)."""
 
-    Options: ClassVar[type] = NoOptions  # a dataclass; its fields become --flags (names must differ from TrainConfig's)
+    Options: ClassVar[type] = make_dataclass("NoOptions", [])  # its fields become --flags (not TrainConfig's names)
     metrics: ClassVar[list[str]] = []  # src/metrics.py names, computed from eval_outputs' predictions and references
     # "mean": loss() is the micro-batch's mean. "sum": loss() is the sum over its count_items(batch) terms (tokens),
     # and the loop divides by the terms of the whole global batch (all micro-batches, all processes), so padded
@@ -67,7 +60,7 @@ class Task:
         raise NotImplementedError(f"{type(self).__name__} must implement build_datasets()")
 
     def build_model(self) -> nn.Module:
-        """Called after build_datasets, so a model can be sized from what the data held (features, labels)."""
+        """Called after build_datasets: a model can be sized from the data (features, labels)."""
         raise NotImplementedError(f"{type(self).__name__} must implement build_model()")
 
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
@@ -75,10 +68,9 @@ class Task:
         raise NotImplementedError(f"{type(self).__name__} must implement loss()")
 
     def eval_outputs(self, model: nn.Module, batch) -> dict[str, torch.Tensor]:
-        """Per-sample tensors (first dimension = the batch), gathered across processes without the padding of
-        uneven shards: "loss" (summed over the sample's terms) and "weight" (how many terms: 1 for a class label,
-        the token count for text), so eval/loss = sum(loss) / sum(weight); plus "predictions" and "references"
-        when the task has `metrics`."""
+        """Per-sample tensors (first dimension = the batch), gathered without the padding of uneven shards: "loss"
+        (summed over the sample's terms) and "weight" (its terms: 1 for a class label, the token count for text), so
+        eval/loss = sum(loss) / sum(weight); plus "predictions" and "references" when the task has `metrics`."""
         raise NotImplementedError(f"{type(self).__name__} must implement eval_outputs()")
 
     # --- may ---
@@ -87,8 +79,7 @@ class Task:
         raise NotImplementedError(f"{type(self).__name__} has loss_reduction 'sum' and must implement count_items()")
 
     def build_eval_dataset(self, split: str, labelled: bool = True) -> Dataset:
-        """One split (the test split, or the eval split when not training) built without reading the train split.
-        `labelled` False: for predictions only, so the split may lack labels."""
+        """One split (test, or eval without training), the train split unread; `labelled` False: may lack labels."""
         raise UsageError(
             f"--task {type(self).__name__} has no build_eval_dataset(split, labelled), which evaluating without "
             "training, a test split and --do_predict need: implement it (docs/customize.md)"
@@ -104,19 +95,18 @@ class Task:
         )
 
     def load_model(self, path: str) -> nn.Module:
-        """`--model_name_or_path`: build_model() with the weights save_model() wrote (a run's model/ folder) or a
-        checkpoint holds (checkpoints/step_<N>/). Hugging Face tasks load with from_pretrained in build_model."""
+        """`--model_name_or_path`: build_model() with the weights of a run's model/ or checkpoints/step_<N>/.
+        Hugging Face tasks load with from_pretrained in build_model."""
         return load_weights(self.build_model(), path)
 
     def predict(self, model: nn.Module, batch) -> dict[str, torch.Tensor]:
-        """Per-sample tensors (first dimension = the batch) for predictions.jsonl, gathered across processes in input
-        order, each sample once. ClassificationTask gives "prediction" (the class) and "probabilities"."""
+        """Per-sample tensors for predictions.jsonl, gathered in input order, each sample once (ClassificationTask:
+        "prediction" and "probabilities")."""
         raise NotImplementedError(f"{type(self).__name__} must implement predict() for --do_predict")
 
     def prediction_ids(self, split: str) -> list | None:
-        """The id of each row build_eval_dataset(split, labelled=False) holds, in order, for predictions.jsonl; None
-        without ids. Default: the split's `--id_column` read with src/data.py's loaders (Parquet, CSV, JSON, the
-        Hub), None where the split has no such column. A task that reads other data returns its own."""
+        """The id of each row of build_eval_dataset(split, labelled=False), in order, or None. Default: the split's
+        `--id_column` read by src/data.py (Parquet, CSV, JSON, the Hub). A task reading other data returns its own."""
         if not (self.config.data_files or self.config.dataset_name):  # the task's own data, made in memory
             return None
         table = load_tables(self.config, [split], columns=[self.config.id_column])[split]
@@ -144,15 +134,15 @@ class Task:
         return None
 
     def save_model(self, accelerator, model: nn.Module, directory: Path) -> None:
-        """The final model (with export_checkpoints, each checkpoint's too), on every process (FSDP and DeepSpeed
-        gather shards from all of them). Default: `model.safetensors`; a Hugging Face task calls `save_pretrained`."""
+        """The final model (and with export_checkpoints each checkpoint's), on every process (FSDP and DeepSpeed
+        gather shards from all). Default: `model.safetensors`; a Hugging Face task calls `save_pretrained`."""
         accelerator.save_model(model, directory, safe_serialization=True)
 
 
 @contextmanager
 def task_errors(task: Task):
-    """An exception raised inside one of the task's methods during training becomes one line naming the method
-    and the batch's structure (exit code 70); out-of-memory errors pass through (--auto_find_batch_size)."""
+    """An exception raised inside the task's methods becomes one line naming the method and the batch's structure
+    (exit code 70); out-of-memory errors pass through (--auto_find_batch_size)."""
     try:
         yield
     except Exception as err:
