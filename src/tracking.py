@@ -40,9 +40,8 @@ def setup_logging(accelerator) -> None:
     logging.getLogger("accelerate.tracking").setLevel(logging.ERROR)  # "dropped a string" for setup/device etc.
     for name in ("botocore", "aiobotocore"):  # --output_mirror s3://: "Found credentials in ...", each client
         logging.getLogger(name).setLevel(logging.WARNING)
-    # The one place that filters Python warnings. The other processes show none (the main one shows them); the main
-    # one never LIBRARY_NOISE, any other once per message (libraries that change the filters reset Python's
-    # once-per-line memory).
+    # The one place that filters Python warnings: other processes show none; the main one never LIBRARY_NOISE, any
+    # other once per message (libraries that change the filters reset Python's once-per-line memory).
     if not accelerator.is_main_process:
         warnings.filterwarnings("ignore")
         return
