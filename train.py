@@ -199,7 +199,7 @@ def train(config: TrainConfig) -> dict:
         progress.close()
 
         final_metrics = finish_training(run, config, state, best, eval_metrics, step)
-    distributed.end_training(accelerator)  # and a moment for gloo's threads: see src/distributed.py
+    distributed.end_training(accelerator)  # and a moment for gloo's threads: see src/errors.py
     return final_metrics
 
 
@@ -268,7 +268,7 @@ def evaluate_and_predict(config: TrainConfig) -> dict:
             metrics = evaluate(run.task, run.model, run.eval_loader, run.metric, run.accelerator)
             tracking.log_metrics(run.accelerator, metrics, step=0)
         metrics = finish(run, config, metrics, step=0)
-    distributed.let_gloo_settle(run.accelerator)  # before the model is freed: see src/distributed.py
+    errors.let_threads_settle(run.accelerator.num_processes)  # before the model is freed: see src/errors.py
     return metrics
 
 

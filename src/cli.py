@@ -1,6 +1,6 @@
 """The command line: flags and `--config` YAML files -> a resolved TrainConfig, with the chosen task's options.
-jsonargparse parses and type-checks; the task's `Options` dataclass (src/tasks/) joins the same parser, so its fields
-are flags and YAML keys like any other (`--task X --help` shows them)."""
+jsonargparse parses and type-checks. The task is found first; its `Options` dataclass (src/tasks/) joins the same
+parser, so its fields are flags and YAML keys like any other (`--task X --help` shows them)."""
 
 import dataclasses
 import difflib

@@ -125,11 +125,4 @@ def sync_batchnorm(model: nn.Module, accelerator) -> nn.Module:
 
 def end_training(accelerator) -> None:
     accelerator.end_training()
-    let_gloo_settle(accelerator)
-
-
-def let_gloo_settle(accelerator) -> None:
-    """50 ms with the GIL released after the last collective, on N processes: the DDP model freed as the run returns
-    destroys gloo's group, which joins its threads holding the GIL while one may still need it: a hang for good
-    (pytorch#56297, docs/how_it_works.md; no test can force it). errors.command_line does it for a run stopped early."""
-    let_threads_settle(accelerator.num_processes)
+    let_threads_settle(accelerator.num_processes)  # a moment for gloo's threads: see src/errors.py

@@ -86,8 +86,9 @@ def first_to_say(line: str) -> bool:
 
 
 def let_threads_settle(num_processes: int | None = None) -> None:
-    """On N processes (default: WORLD_SIZE), before the process group is freed: a moment for gloo's threads
-    (src/distributed.py: let_gloo_settle)."""
+    """50 ms with the GIL released after the last collective, on N processes (default: WORLD_SIZE): the DDP model freed
+    as the run returns destroys gloo's group, which joins its threads holding the GIL while one may still need it: a
+    hang for good (pytorch#56297, docs/how_it_works.md; no test can force it)."""
     if (num_processes or int(os.environ.get("WORLD_SIZE", "1"))) > 1:
         time.sleep(0.05)
 

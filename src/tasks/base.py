@@ -42,7 +42,8 @@ class Task:
     """`self.config`: the run's TrainConfig (data files, splits, batch sizes, ...); `self.options`: this task's
     `Options`, parsed and type-checked. Bad input: raise `src.errors.UsageError` (one line, exit code 2)."""
 
-    Options: ClassVar[type] = make_dataclass("NoOptions", [])  # its fields become --flags (not TrainConfig's names)
+    # a dataclass; its fields become --flags (names must differ from TrainConfig's)
+    Options: ClassVar[type] = make_dataclass("NoOptions", [])
     metrics: ClassVar[list[str]] = []  # src/metrics.py names, computed from eval_outputs' predictions and references
     # "mean": loss() is the micro-batch's mean. "sum": loss() is the sum over its count_items(batch) terms (tokens),
     # and the loop divides by the terms of the whole global batch (all micro-batches, all processes), so padded
@@ -79,7 +80,8 @@ class Task:
         raise NotImplementedError(f"{type(self).__name__} has loss_reduction 'sum' and must implement count_items()")
 
     def build_eval_dataset(self, split: str, labelled: bool = True) -> Dataset:
-        """One split (test, or eval without training), the train split unread; `labelled` False: may lack labels."""
+        """One split (the test split, or the eval split when not training) built without reading the train split.
+        `labelled` False: for predictions only, so the split may lack labels."""
         raise UsageError(
             f"--task {type(self).__name__} has no build_eval_dataset(split, labelled), which evaluating without "
             "training, a test split and --do_predict need: implement it (docs/customize.md)"
