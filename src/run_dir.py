@@ -22,7 +22,6 @@ MLFLOW_STORE = "mlflow.db"  # --report_to mlflow without MLFLOW_TRACKING_URI: th
 DVCLIVE_DIR = "dvclive"
 TRACKER_FILES = ("wandb", MLFLOW_STORE, DVCLIVE_DIR)  # trackers' local files (tensorboard's: output_dir/project_name)
 RUN_FILES = (METRICS_FILE, CONFIG_FILE, CHECKPOINTS_DIR, MODEL_DIR, EVAL_RESULTS_FILE, PREDICTIONS_FILE)
-RUN_ARTIFACTS = (*RUN_FILES, *TRACKER_FILES)
 STATE_FILE = "trainer_state.json"
 TMP_PREFIX = ".tmp_"
 
@@ -31,7 +30,7 @@ def prepare_output_dir(accelerator, config: TrainConfig, resume_step: int | None
     """Every process checks, then the main process writes: a refused run leaves every file as it was. A previous run
     that never finished an optimiser step holds nothing worth keeping: it is replaced, so the same command reruns."""
     output_dir = Path(config.output_dir)
-    artifacts = [*RUN_ARTIFACTS, config.project_name]  # tensorboard logs go to output_dir/project_name
+    artifacts = [*RUN_FILES, *TRACKER_FILES, config.project_name]  # tensorboard logs go to output_dir/project_name
     previous = [name for name in artifacts if (output_dir / name).exists()]
     replacing = previous and resume_step is None
     asked = config.overwrite_output_dir or config.resume_from_checkpoint == "latest" or not trained_any_step(output_dir)

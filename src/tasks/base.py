@@ -21,7 +21,7 @@ batches and logits), `HuggingFaceTask` (src/features/hf/base.py: loads and saves
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import make_dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from traceback import walk_tb
 from typing import TYPE_CHECKING, ClassVar
@@ -38,12 +38,16 @@ if TYPE_CHECKING:
     from src.config import TrainConfig
 
 
+@dataclass
+class NoOptions:
+    """A task without options of its own."""
+
+
 class Task:
     """`self.config`: the run's TrainConfig (data files, splits, batch sizes, ...); `self.options`: this task's
     `Options`, parsed and type-checked. Bad input: raise `src.errors.UsageError` (one line, exit code 2)."""
 
-    # a dataclass; its fields become --flags (names must differ from TrainConfig's)
-    Options: ClassVar[type] = make_dataclass("NoOptions", [])
+    Options: ClassVar[type] = NoOptions  # a dataclass; its fields become --flags (names must differ from TrainConfig's)
     metrics: ClassVar[list[str]] = []  # src/metrics.py names, computed from eval_outputs' predictions and references
     # "mean": loss() is the micro-batch's mean. "sum": loss() is the sum over its count_items(batch) terms (tokens),
     # and the loop divides by the terms of the whole global batch (all micro-batches, all processes), so padded
