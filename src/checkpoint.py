@@ -141,6 +141,8 @@ def save_checkpoint(accelerator, config: TrainConfig, state: TrainerState, expor
 
 
 def all_processes_agree(accelerator, ok: bool) -> bool:
+    if accelerator.num_processes == 1:
+        return ok
     flag = torch.tensor(float(ok), device=accelerator.device)
     return bool(accelerator.reduce(flag, reduction="sum").item() == accelerator.num_processes)
 
