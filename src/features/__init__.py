@@ -66,20 +66,37 @@ class Feature:
 
 
 class Features(tuple):
-    """Every installed feature, called as one: a hook in HOOKS calls each feature's in turn; `accelerator_options` and
-    `train_loader` give the first answer that is not None, `adapt_model` passes the model through each."""
+    """Every installed feature, called as one: `features.on_checkpoint(...)` calls each feature's hook in turn;
+    `accelerator_options` and `train_loader` give the first answer that is not None, `adapt_model` passes the model
+    through each."""
 
-    HOOKS = ("check_launch", "check", "before_resume", "on_start", "on_step", "on_checkpoint", "on_end")
+    def check_launch(self, use_cpu: bool, config) -> None:
+        for feature in self:
+            feature.check_launch(use_cpu, config)
 
-    def __getattr__(self, hook: str):
-        if hook not in self.HOOKS:
-            raise AttributeError(f"{type(self).__name__} has no hook {hook!r}")
+    def check(self, config) -> None:
+        for feature in self:
+            feature.check(config)
 
-        def each(*args) -> None:
-            for feature in self:
-                getattr(feature, hook)(*args)
+    def before_resume(self, accelerator, config) -> None:
+        for feature in self:
+            feature.before_resume(accelerator, config)
 
-        return each
+    def on_start(self, accelerator, config, resumed: bool) -> None:
+        for feature in self:
+            feature.on_start(accelerator, config, resumed)
+
+    def on_step(self, accelerator, config, step: int) -> None:
+        for feature in self:
+            feature.on_step(accelerator, config, step)
+
+    def on_checkpoint(self, accelerator, config, checkpoint: Path, state) -> None:
+        for feature in self:
+            feature.on_checkpoint(accelerator, config, checkpoint, state)
+
+    def on_end(self, accelerator, config, model_dir: Path) -> None:
+        for feature in self:
+            feature.on_end(accelerator, config, model_dir)
 
     def accelerator_options(self, use_cpu: bool, config) -> dict | None:
         return next((o for f in self if (o := f.accelerator_options(use_cpu, config)) is not None), None)
