@@ -3,7 +3,6 @@ resume proofs are tests/test_sharded.py's, run for each accelerate config there 
 
 import dataclasses
 import importlib.util
-import sys
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ import torch
 from src.config import TrainConfig
 from src.errors import LaunchError, UsageError
 from src.strategy import check_launch
-from tests.conftest import QUICK, REPO, run_command
+from tests.conftest import QUICK, REPO
 
 installed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="pip install deepspeed")
 
@@ -64,15 +63,20 @@ def test_deepspeed_config_without_deepspeed_is_one_line(monkeypatch):
 
 
 @installed
-def test_launch_script_refuses_cpu_offload_in_one_line(tmp_path):
+def test_launch_script_refuses_cpu_offload_in_one_line(tmp_path, capsys):
+    """scripts/launch.py's config check, in this process as its main() calls it before anything else
+    (tests/test_errors.py runs a whole `python scripts/launch.py` refusing a config with one line and nothing more)."""
+    from scripts.launch import exit_if_unusable
+
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     text = (REPO / "accelerate_configs" / "deepspeed_zero3.yaml").read_text()
     path = tmp_path / "deepspeed_zero3.yaml"
     path.write_text(text.replace("offload_param_device: none", "offload_param_device: cpu"))
-    result = run_command([sys.executable, "scripts/launch.py", "--config_file", str(path),
-                          "--num_processes", "2", "train.py", *QUICK])  # fmt: skip
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [result.stderr.strip()]  # one line, nothing else
-    assert result.stderr.startswith(f"error: accelerate config {path}: ")
-    assert "offloads to the CPU (offload_param_device)" in result.stderr
+    with pytest.raises(SystemExit) as stopped:
+        exit_if_unusable(["--config_file", str(path), "--num_processes", "2", "train.py", *QUICK])
+    stderr = capsys.readouterr().err
+    assert stopped.value.code == 2
+    assert stderr.strip().splitlines() == [stderr.strip()]  # one line, nothing else
+    assert stderr.startswith(f"error: accelerate config {path}: ")
+    assert "offloads to the CPU (offload_param_device)" in stderr

@@ -9,6 +9,7 @@ ZeRO-3 train as one process does and save a model that from_pretrained loads to 
 same code there; tests/test_adapters.py trains this model under ZeRO-2 too)."""
 
 import json
+import runpy
 import shutil
 import sys
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from tests.conftest import (
+    REPO,
     assert_ok,
     assert_processes,
     launch_command,
@@ -295,7 +297,8 @@ def test_convert_checkpoint_refuses_what_it_cannot_convert(tmp_path):
 
 
 @pytest.mark.parametrize("to", ["DDP", "FSDP2"])
-def test_a_checkpoint_converts_between_a_whole_model_and_fsdp2(fsdp_run, one_process, tmp_path, to):
+def test_a_checkpoint_converts_between_a_whole_model_and_fsdp2(fsdp_run, one_process, tmp_path, monkeypatch,
+                                                                capsys, to):  # fmt: skip
     """scripts/convert_checkpoint.py, as the refusal above names it: the FSDP2 run's checkpoints (2 processes) -> a
     whole model, continued by one plain process; the plain run's -> FSDP2, continued on 2 processes. Steps 21-30 and
     the eval equal the uninterrupted run's."""
@@ -306,7 +309,11 @@ def test_a_checkpoint_converts_between_a_whole_model_and_fsdp2(fsdp_run, one_pro
     out = tmp_path / "run"
     latest, best = (out / "checkpoints" / name for name in ("step_20", "step_15"))  # best: --load_best_model_at_end's
     command = ["scripts/convert_checkpoint.py", str(source / "checkpoints" / latest.name), str(latest), "--to", to]
-    assert_ok(run_command([sys.executable, *command]))  # the command as the refusal names it
+    with monkeypatch.context() as patch:  # the command as the refusal names it, its __main__ run in this process
+        patch.setattr(sys, "argv", command)
+        patch.chdir(REPO)
+        runpy.run_path(command[0], run_name="__main__")  # a UsageError would exit 2 (SystemExit fails the test)
+    assert capsys.readouterr().out.startswith(f"{latest}: the checkpoint for {to}; resume with")
     convert(source / "checkpoints" / best.name, best, to)
     resume = [*run_args("fsdp"), "--output_dir", str(out), "--resume_from_checkpoint", "latest"]
     assert_ok(run_main(*resume) if to == "DDP" else run_train(*resume, processes=2, config="fsdp"))
