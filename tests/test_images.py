@@ -3,10 +3,7 @@ processes with augmentation on and loader workers, a kill + resume equal to the 
 counted once, a model/ that the image-classification pipeline reloads with the run's accuracy, and a folder without
 class subfolders refused. The augmentation rule itself (docs/customize.md's recipe) is checked without training."""
 
-import contextlib
-import io
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -34,6 +31,7 @@ from tests.helpers import (
     assert_bash_blocks_run,
     assert_error_line,
     docs_code_block,
+    printed_by,
     train_losses,
     workspace,
 )
@@ -205,21 +203,6 @@ def classify_with_a_pipeline(model_dir: Path, folder: Path) -> dict:
             "labels": {str(f.relative_to(folder)): label for f, label in zip(files, labels, strict=True)}}  # fmt: skip
 
 
-def python_code(command: str, cwd: Path) -> str:
-    """What `python -c "<code>"` prints, run in this process in `cwd` (this test imports transformers anyway)."""
-    words = as_written(command)
-    assert words[1] == "-c", command
-    printed = io.StringIO()
-    here = os.getcwd()
-    os.chdir(cwd)
-    try:
-        with contextlib.redirect_stdout(printed):
-            exec(words[2], {"__name__": "__main__"})
-    finally:
-        os.chdir(here)
-    return printed.getvalue()
-
-
 @pytest.mark.slow
 def test_vit_model_reloads_in_a_pipeline_with_the_runs_accuracy_and_predictions(docs):
     """The ViT command (shortened) and the pipeline command as written; then the pipeline over the whole eval folder
@@ -235,7 +218,7 @@ def test_vit_model_reloads_in_a_pipeline_with_the_runs_accuracy_and_predictions(
     names = ["eight", "five", "four", "nine", "one", "seven", "six", "three", "two", "zero"]  # sorted folder names
     assert [config["id2label"][str(i)] for i in range(10)] == names
 
-    printed = python_code(commands[4], cwd)
+    printed = printed_by(commands[4], cwd)  # in this process: this test imports transformers anyway
     assert "'label': '" in printed and any(f"'{name}'" in printed for name in names)
 
     reloaded = classify_with_a_pipeline(run / "model", cwd / "data" / "digit_images" / "eval")
