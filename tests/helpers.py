@@ -99,6 +99,25 @@ def as_written(command: str) -> list[str]:
     return words
 
 
+def printed_by(command: str, cwd: Path) -> str:
+    """What a docs command `python -c "<code>"` prints, its code run in this process in `cwd`: no interpreter and
+    torch import of its own."""
+    import contextlib
+    import io
+    import os
+
+    words = as_written(command)
+    assert words[1] == "-c", command
+    printed, here = io.StringIO(), os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(printed):
+            exec(words[2], {"__name__": "__main__"})
+    finally:
+        os.chdir(here)
+    return printed.getvalue()
+
+
 def docs_code_block(page: str, first_line: str, language: str = "python") -> str:
     """`page`'s one ```language block whose first line starts with `first_line`."""
     blocks = re.findall(rf"```{language}\n(.*?)```", (REPO / page).read_text(), flags=re.DOTALL)

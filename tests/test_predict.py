@@ -5,7 +5,6 @@ import json
 import re
 import shlex
 import shutil
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -21,13 +20,13 @@ from tests.conftest import (
     REPO,
     assert_ok,
     read_metrics,
-    run_command,
     run_main,
     run_on,
     run_with_hook,
     series,
     signal_at,
 )
+from tests.helpers import printed_by
 
 DIGITS = REPO / "data" / "digits"
 TRAIN = ["--max_steps", "40", "--eval_steps", "10", "--logging_steps", "10"]
@@ -64,23 +63,51 @@ def prime_input(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("processes", [1, 2])
-def test_eval_only_reproduces_the_runs_final_metrics_without_the_train_split(trained, tmp_path, processes):
+@pytest.fixture(scope="module")
+def on_two_processes(trained, prime_input, tmp_path_factory) -> dict:
+    """One 2-process run of the trained model that evaluates it (train file absent) and predicts the prime-sized
+    input, labelled here (a labelled test split is evaluated too): the eval-only and the prediction tests both read
+    it. Returns its folder and whether the trained run's folder stayed as it was."""
+    folder = tmp_path_factory.mktemp("two_processes")
+    labelled = folder / "labelled.parquet"
+    labels = pd.read_parquet(DIGITS / "eval.parquet").head(97)["label"]
+    pd.read_parquet(prime_input).assign(label=labels).to_parquet(labelled)
     before = folder_state(trained)
     result = run_on(
-        processes,
-        "--do_train", "false", "--model_name_or_path", str(trained / "model"), "--output_dir", str(tmp_path / "eval"),
-        "--data_files", f"{{train: {tmp_path}/absent.parquet, eval: {DIGITS}/eval.parquet}}",  # never read
+        2,
+        "--do_train", "false", "--do_predict", "true", "--model_name_or_path", str(trained / "model"),
+        "--data_files", f"{{train: {folder}/absent.parquet, eval: {DIGITS}/eval.parquet, test: {labelled}}}",
+        "--per_device_eval_batch_size", "8", "--output_dir", str(folder / "eval"),
     )  # fmt: skip
     assert_ok(result)
+    return {"output_dir": folder / "eval", "trained_unchanged": folder_state(trained) == before}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 2])
+def test_eval_only_reproduces_the_runs_final_metrics_without_the_train_split(trained, tmp_path, processes, request):
+    if processes == 1:
+        before = folder_state(trained)
+        out = tmp_path / "eval"
+        result = run_on(
+            processes,
+            "--do_train", "false", "--model_name_or_path", str(trained / "model"), "--output_dir", str(out),
+            "--data_files", f"{{train: {tmp_path}/absent.parquet, eval: {DIGITS}/eval.parquet}}",  # never read
+        )  # fmt: skip
+        assert_ok(result)
+        assert folder_state(trained) == before
+        written = ["eval_results.json"]  # no checkpoint, no model/
+    else:  # the same, with a test split evaluated and predicted (on_two_processes)
+        run = request.getfixturevalue("on_two_processes")
+        out = run["output_dir"]
+        assert run["trained_unchanged"]
+        written = ["eval_results.json", "predictions.jsonl"]
     final = [row for row in read_metrics(trained) if "eval/accuracy" in row][-1]
-    results = eval_results(tmp_path / "eval")
+    results = eval_results(out)
     assert results["eval/accuracy"] == final["eval/accuracy"]
     assert results["eval/num_samples"] == final["eval/num_samples"] == 359
     assert results["eval/loss"] == pytest.approx(final["eval/loss"], rel=1e-6)
-    assert sorted(p.name for p in (tmp_path / "eval").iterdir()) == ["eval_results.json"]  # no checkpoint, no model/
-    assert folder_state(trained) == before
+    assert sorted(p.name for p in out.iterdir()) == written
 
 
 @pytest.mark.slow
@@ -95,9 +122,11 @@ def test_eval_only_defaults_to_the_runs_own_model_and_writes_nothing_else(traine
 
 
 @pytest.mark.slow
-def test_predictions_of_a_prime_sized_input_are_the_same_on_1_2_and_3_processes(trained, prime_input, tmp_path):
-    rows = {}
-    for processes in (1, 2, 3):
+def test_predictions_of_a_prime_sized_input_are_the_same_on_1_2_and_3_processes(
+    trained, prime_input, on_two_processes, tmp_path
+):
+    rows = {2: predictions(on_two_processes["output_dir"])}  # its input labelled: the same rows to predict
+    for processes in (1, 3):  # without labels
         output_dir = tmp_path / f"p{processes}"
         result = run_on(
             processes,
@@ -297,8 +326,11 @@ def test_readme_use_your_trained_model_commands_run(tmp_path, default_run):
     shutil.copytree(default_run, tmp_path / "runs" / "digits")  # the Quickstart's run
     for command in section_commands("Use your trained model", page="docs/predict.md"):
         words = shlex.split(command)
-        words[0] = sys.executable if words[0] == "python" else words[0]
-        assert_ok(run_command(words, cwd=tmp_path, timeout=600))
+        if words[:2] == ["python", "train.py"]:  # train.py's main in this process, run in the same folder
+            assert_ok(run_main(*words[2:], cwd=tmp_path))
+        else:  # `python -c`: train.py's predict() from Python, in this process too
+            printed = printed_by(command, tmp_path)  # predict()'s first row
+            assert printed.startswith("{'prediction': ") and "'probabilities': [" in printed, printed
     runs = tmp_path / "runs"
     assert eval_results(runs / "digits")["eval/num_samples"] == 359
     assert len(predictions(runs / "digits")) == 359

@@ -104,8 +104,9 @@ RUN = ["--max_steps", "40", "--logging_steps", "1", "--save_steps", "10", "--eva
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, shards):
+    """The 1-process runs, without and with 2 loader workers (the 2-process run is killed_and_resumed's)."""
     runs = {}
-    for processes, workers in ((1, 0), (2, 0), (1, 2)):
+    for processes, workers in ((1, 0), (1, 2)):
         out = tmp_path_factory.mktemp(f"stream_p{processes}_w{workers}") / "run"
         args = [*stream_args(shards, *RUN), "--dataloader_num_workers", str(workers), "--output_dir", str(out)]
         in_process = processes == 1 and workers == 0  # loader workers: forked from a process of their own
@@ -115,35 +116,57 @@ def uninterrupted(tmp_path_factory, shards):
     return runs
 
 
+def killed_and_resumed(folder, shards, processes: int, workers: int):
+    """The run killed at step 35 (a process of its own), then resumed from step_30 by the very same command."""
+    out = folder / "run"
+    args = [*stream_args(shards, *RUN), "--dataloader_num_workers", str(workers), "--output_dir", str(out),
+            "--resume_from_checkpoint", "latest"]  # fmt: skip
+    kill = signal_at(35)
+    killed = run_with_hook(folder, args, kill, processes=processes)
+    assert killed.returncode != 0
+    assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step_20", "step_30"]
+    in_process = processes == 1 and workers == 0  # the very same command
+    resumed = run_main(*args) if in_process else run_with_hook(folder, args, processes=processes)
+    assert_ok(resumed)
+    assert_processes(out, processes)  # both starts
+    assert "resuming from" in resumed.stdout + resumed.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory, shards):
+    """The 2-process run, killed at step 35 and resumed: steps 1-35 of its first start and 31-40 of the second
+    are what the 1-process run is compared with, so one run checks both (tests below)."""
+    return killed_and_resumed(tmp_path_factory.mktemp("stream_p2_w0"), shards, processes=2, workers=0)
+
+
 @pytest.mark.slow
-def test_one_and_two_processes_train_on_the_same_global_batches(uninterrupted):
-    one, two = (series(uninterrupted[p, 0], "train/loss") for p in (1, 2))
+def test_one_and_two_processes_train_on_the_same_global_batches(uninterrupted, two_processes):
+    """The 2-process run was killed at step 35 and resumed from step_30 (test_sigkill_... checks the resume): its
+    first start's steps 1-30 are 2 processes trained from the start."""
+    one, two = series(uninterrupted[1, 0], "train/loss"), logged_losses(two_processes)
     assert list(one) == list(two) == list(range(1, 41))
     assert max(abs(one[s] - two[s]) for s in one) <= 1e-5
     epochs = series(uninterrupted[1, 0], "epoch")
     assert epochs[1] == 0 and epochs[40] == 1  # the run crossed an epoch boundary of the stream
-    assert series(uninterrupted[1, 0], "eval/loss") == pytest.approx(series(uninterrupted[2, 0], "eval/loss"), abs=1e-5)
+    assert series(uninterrupted[1, 0], "eval/loss") == pytest.approx(
+        series(read_metrics(two_processes), "eval/loss"), abs=1e-5
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("processes", "workers"), [(1, 0), (1, 2), (2, 0)])
-def test_sigkill_mid_stream_then_resume_matches_uninterrupted(tmp_path, shards, uninterrupted, processes, workers):
+def test_sigkill_mid_stream_then_resume_matches_uninterrupted(
+    tmp_path, shards, uninterrupted, processes, workers, request
+):
     """The kill at step 35 resumes from step_30, in the stream's second epoch: the position (epoch 1, batches
-    read) comes from the checkpoint, and the losses that follow are the uninterrupted run's (bit for bit on 1)."""
-    out = tmp_path / "run"
-    args = [*stream_args(shards, *RUN), "--dataloader_num_workers", str(workers), "--output_dir", str(out),
-            "--resume_from_checkpoint", "latest"]  # fmt: skip
-    kill = signal_at(35)
-    killed = run_with_hook(tmp_path, args, kill, processes=processes)
-    assert killed.returncode != 0
-    assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step_20", "step_30"]
-
-    in_process = processes == 1 and workers == 0  # the very same command
-    resumed = run_main(*args) if in_process else run_with_hook(tmp_path, args, processes=processes)
-    assert_ok(resumed)
-    assert_processes(out, processes)  # both starts
-    assert "resuming from" in resumed.stdout + resumed.stderr
-    expected, losses = series(uninterrupted[processes, workers], "train/loss"), logged_losses(out)
+    read) comes from the checkpoint, and the losses that follow are the uninterrupted run's (bit for bit on 1; on 2
+    processes, within 1e-5 of the 1-process run, which 2 processes match: the test above)."""
+    if processes == 2:
+        out = request.getfixturevalue("two_processes")
+    else:
+        out = killed_and_resumed(tmp_path, shards, processes, workers)
+    expected, losses = series(uninterrupted[1, workers], "train/loss"), logged_losses(out)
     assert list(expected) == list(losses) == list(range(1, 41))
     if processes == 1:
         assert losses == expected  # bit for bit
@@ -169,7 +192,10 @@ def test_readme_streaming_commands_run_as_written(tmp_path):
         out = tmp_path / f"run{i}"
         if "train.py" in words:
             words += ["--max_steps", "4", "--logging_steps", "2", "--max_eval_tokens", "8192", "--output_dir", str(out)]
-        assert_ok(run_command(words, cwd=tmp_path, timeout=600))
+        if words[1] == "train.py":  # `python train.py`: its main in this process, in the same folder
+            assert_ok(run_main(*words[2:], cwd=tmp_path))
+        else:
+            assert_ok(run_command(words, cwd=tmp_path, timeout=600))
         if "train.py" in words:
             assert_processes(out, 2 if "launch" in command else 1)
             assert list(series(read_metrics(out), "train/loss")) == [2, 4]
