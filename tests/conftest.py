@@ -68,12 +68,12 @@ def run_command(command: list[str], env: dict | None = None, timeout: float = 30
     )  # fmt: skip
 
 
-def run_main(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_main(*args: str, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """`python train.py args` as a call of train.py's `main` in this process: the same exit status, stdout and
     stderr, at no import cost. For 1-process runs checked by what they write, print and exit with; a check of how a
     process starts or ends (signals, imports, a launch) runs a real process instead. What a run changes
     process-wide is put back after it: Accelerate's singletons, os.environ, sys.argv, cwd, logging, signal handlers,
-    torch's threads and random generators."""
+    torch's threads and random generators. `cwd`: the folder it runs in, as run_command's."""
     import io
     import logging
     import random
@@ -99,7 +99,7 @@ def run_main(*args: str, env: dict | None = None) -> subprocess.CompletedProcess
     os.environ.clear()
     os.environ.update(run_env)
     sys.argv = ["train.py", *args]  # --debug is read from it
-    os.chdir(REPO)
+    os.chdir(cwd)
     torch.set_num_threads(1)
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
