@@ -21,10 +21,8 @@ from tests.conftest import (
     QUICK,
     REPO,
     assert_ok,
-    assert_processes,
     free_port,
     read_metrics,
-    run_command,
     run_main,
     run_snippet,
     run_with_hook,
@@ -67,6 +65,13 @@ class S3:
 
     def read(self, bucket: str, key: str) -> bytes:
         return self.client.get_object(Bucket=bucket, Key=key)["Body"].read()
+
+    def copy(self, bucket: str) -> str:
+        """A new bucket holding `bucket`'s objects: a run's state that several tests continue, each in its own."""
+        name = self.bucket()
+        for key in self.keys(bucket):
+            self.client.copy_object(Bucket=name, Key=key, CopySource={"Bucket": bucket, "Key": key})
+        return name
 
     def checkpoints(self, bucket: str) -> dict[str, list[str]]:
         """step_<N> -> the names of its files in the bucket's run/checkpoints/."""
@@ -131,18 +136,24 @@ def test_the_bucket_holds_the_run_rotated_like_the_disk(s3, uninterrupted, tmp_p
     assert_bucket_holds_the_run(s3, bucket, out)
 
 
-@pytest.mark.slow
-def test_killed_run_resumes_from_the_bucket_on_an_empty_disk(s3, uninterrupted, tmp_path):
-    """SIGKILL at step 5, the local run directory deleted (a fresh machine), the same command again: it downloads
-    step_4 from the bucket and logs the uninterrupted run's per-step losses, bit for bit."""
-    out, bucket = tmp_path / "run", s3.bucket()
-    args = mirrored(out, bucket, "--resume_from_checkpoint", "latest")
-    killed = run_with_hook(tmp_path, args, signal_at(5), env=s3.env)
+@pytest.fixture(scope="module")
+def killed_at_step_5(s3, tmp_path_factory):
+    """A 1-process run with a mirror SIGKILLed at step 5: the bucket that it left (step_2 and step_4), which the
+    resume tests below continue, each from a copy of its own, on a wiped disk (they never read the local folder)."""
+    out, bucket = tmp_path_factory.mktemp("killed") / "run", s3.bucket()
+    killed = run_with_hook(out.parent, mirrored(out, bucket, "--resume_from_checkpoint", "latest"), signal_at(5),
+                           env=s3.env)  # fmt: skip
     assert killed.returncode == -9
     assert sorted(s3.checkpoints(bucket)) == ["step_2", "step_4"]
-    shutil.rmtree(out)
+    return bucket
 
-    resumed = run_main(*args, env=s3.env)
+
+@pytest.mark.slow
+def test_killed_run_resumes_from_the_bucket_on_an_empty_disk(s3, uninterrupted, killed_at_step_5, tmp_path):
+    """SIGKILL at step 5, the local run directory deleted (a fresh machine), the same command again: it downloads
+    step_4 from the bucket and logs the uninterrupted run's per-step losses, bit for bit."""
+    out, bucket = tmp_path / "run", s3.copy(killed_at_step_5)
+    resumed = run_main(*mirrored(out, bucket, "--resume_from_checkpoint", "latest"), env=s3.env)
     assert_ok(resumed)
     log = resumed.stdout + resumed.stderr
     assert "downloading checkpoint step_4" in log and "at step 4" in log
@@ -153,22 +164,21 @@ def test_killed_run_resumes_from_the_bucket_on_an_empty_disk(s3, uninterrupted, 
 
 
 @pytest.mark.slow
-def test_two_processes_upload_from_the_main_one_and_resume_from_the_bucket(s3, uninterrupted, tmp_path):
-    """DDP on 2 CPU processes: the main process uploads while the other waits, the resume on a wiped disk downloads
-    once for both; the per-step losses are the 1-process uninterrupted run's to 1e-5 (README: 1 = 2 processes)."""
-    out, bucket = tmp_path / "run", s3.bucket()
-    args = mirrored(out, bucket, "--resume_from_checkpoint", "latest")
-    killed = run_with_hook(tmp_path, args, signal_at(5), processes=2, env=s3.env)
-    assert killed.returncode != 0
-    assert sorted(s3.checkpoints(bucket)) == ["step_2", "step_4"]
-    shutil.rmtree(out)
-
-    resumed = run_with_hook(tmp_path, args, processes=2, env=s3.env)
+def test_two_processes_upload_from_the_main_one_and_resume_from_the_bucket(s3, uninterrupted, killed_at_step_5,
+                                                                           tmp_path):  # fmt: skip
+    """DDP on 2 CPU processes continuing the killed run on a wiped disk: the resume downloads once for both, the main
+    process uploads step_6, step_8 and the end's files while the other waits; the per-step losses are the 1-process
+    uninterrupted run's to 1e-5 (README: 1 = 2 processes)."""
+    out, bucket = tmp_path / "run", s3.copy(killed_at_step_5)
+    resumed = run_with_hook(tmp_path, mirrored(out, bucket, "--resume_from_checkpoint", "latest"), processes=2,
+                            env=s3.env)  # fmt: skip
     assert_ok(resumed)
-    assert_processes(out, 2)
+    starts = [row["setup/world_size"] for row in read_metrics(out) if "setup/world_size" in row]
+    assert starts == [1, 2]  # the killed start (its metrics.jsonl from the bucket), then the 2 processes' start
     assert (resumed.stdout + resumed.stderr).count("downloading checkpoint step_4") == 1
     losses, expected = train_losses(out)[0], uninterrupted[2]
     assert list(losses) == list(expected) and max(abs(losses[s] - expected[s]) for s in losses) <= 1e-5
+    assert sorted(s3.checkpoints(bucket)) == ["step_6", "step_8"]  # uploaded by the 2 processes, step_4 rotated out
     assert_bucket_holds_the_run(s3, bucket, out)
 
 
@@ -394,13 +404,16 @@ def test_a_bucket_holding_another_run_is_refused_unless_continued_or_replaced(s3
 @pytest.mark.slow
 def test_docs_command_resumes_on_a_fresh_machine(s3, tmp_path):
     """docs/object_storage.md's command as written, in a folder with its own runs/: a first start, the local runs/
-    deleted, the same command again: it continues from the bucket's checkpoint."""
+    deleted, the same command again: it continues from the bucket's checkpoint. Both starts are `python train.py`
+    (1 process), so they run as train.main calls in this process."""
     (command,) = section_commands("Checkpoints in object storage", page="docs/object_storage.md")
+    _, script, *args = as_written(command)
+    assert script == "train.py", command
     s3.client.create_bucket(Bucket="my-bucket")
     cwd = workspace(tmp_path)
-    assert_ok(run_command([*as_written(command), *QUICK], cwd=cwd, env=s3.env))
+    assert_ok(run_main(*args, *QUICK, cwd=cwd, env=s3.env))
     shutil.rmtree(cwd / "runs")
-    second = run_command([*as_written(command), "--max_steps", "8", "--logging_steps", "2"], cwd=cwd, env=s3.env)
+    second = run_main(*args, "--max_steps", "8", "--logging_steps", "2", cwd=cwd, env=s3.env)
     assert_ok(second)
     assert "downloading checkpoint step_6" in second.stdout + second.stderr
     steps = [row["step"] for row in read_metrics(cwd / "runs" / "exp1") if "train/loss" in row]

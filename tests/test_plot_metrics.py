@@ -1,6 +1,10 @@
-"""scripts/plot_metrics.py, run as a user would, on small synthetic metrics.jsonl files."""
+"""scripts/plot_metrics.py, its command line run as a user would (its `__main__`, in this process), on small
+synthetic metrics.jsonl files."""
 
+import contextlib
+import io
 import json
+import runpy
 import shutil
 import subprocess
 import sys
@@ -28,8 +32,20 @@ def write_run(run_dir: Path, world_size: int, extra_eval: str = "eval/accuracy")
 
 
 def plot(*args) -> subprocess.CompletedProcess:
+    """`python scripts/plot_metrics.py args`: the script's own `__main__` run in this process (runpy), its exit
+    status, stdout and stderr; no process start for a few milliseconds of work."""
     command = [sys.executable, "scripts/plot_metrics.py", *map(str, args)]
-    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    stdout, stderr, saved_argv = io.StringIO(), io.StringIO(), sys.argv
+    sys.argv = command[1:]
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            runpy.run_path(str(REPO / "scripts" / "plot_metrics.py"), run_name="__main__")
+        returncode = 0
+    except SystemExit as stop:  # sys.exit(main()): its status (argparse's own errors exit 2 too)
+        returncode = stop.code or 0
+    finally:
+        sys.argv = saved_argv
+    return subprocess.CompletedProcess(command, returncode, stdout.getvalue(), stderr.getvalue())
 
 
 def assert_input_error(result: subprocess.CompletedProcess, out: Path, *words: str) -> None:
@@ -85,9 +101,10 @@ def test_label_count_must_match(tmp_path):
 
 
 @pytest.mark.slow
-def test_plot_command_draws_a_1_and_a_2_process_run(tmp_path, default_run):
+def test_plot_command_draws_a_1_and_a_2_process_run(tmp_path, default_run, monkeypatch):
     """The page's command over the Quickstart's `python train.py` run (conftest's default_run, trained once for the
-    tests that read it) as runs/digits and a 2-process launch as runs/digits_ddp."""
+    tests that read it) as runs/digits and a 2-process launch as runs/digits_ddp; the command in the workspace, its
+    `__main__` in this process (plot)."""
     (command,) = section_commands("Plots", page="docs/tracking.md")
     cwd = workspace(tmp_path)
     shutil.copytree(default_run, cwd / "runs" / "digits")
@@ -95,5 +112,8 @@ def test_plot_command_draws_a_1_and_a_2_process_run(tmp_path, default_run):
     assert_ok(run_command([*as_written(ddp), *QUICK, "--output_dir", "runs/digits_ddp"], cwd=cwd))
     for name, processes in (("digits", 1), ("digits_ddp", 2)):
         assert_processes(cwd / "runs" / name, processes)
-    assert_ok(run_command(as_written(command), cwd=cwd))
+    _, script, *args = as_written(command)
+    assert script == "scripts/plot_metrics.py", command
+    monkeypatch.chdir(cwd)
+    assert_ok(plot(*args))
     assert (cwd / "curves.png").read_bytes().startswith(b"\x89PNG")

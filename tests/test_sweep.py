@@ -2,6 +2,7 @@
 SQLite study; a bad search space is one line. And the `--key=value` form a wandb agent passes."""
 
 import os
+import runpy
 import shlex
 import signal
 import subprocess
@@ -118,15 +119,18 @@ def test_wandb_agent_arguments_are_accepted():
         assert config.to_dict()[name] == pytest.approx(value), name
 
 
-@pytest.mark.slow
-def test_bad_search_space_from_the_command_line(tmp_path):
+def test_bad_search_space_from_the_command_line(tmp_path, monkeypatch, capsys):
+    """The script's own `__main__` (runpy, in this process: the refusal comes before any trial starts): exit 2 and
+    one `error:` line."""
     out = tmp_path / "sweep"
     space = write_space(tmp_path, {"parameters": {"learnig_rate": {"low": 0.1, "high": 1}}})
-    result = run_python("scripts/sweep.py", str(space), "--output_dir", str(out))
-    assert result.returncode == 2
-    assert (
-        result.stderr.strip().splitlines()[-1].startswith("error: search space ") and "Traceback" not in result.stderr
-    )
+    monkeypatch.setattr(sys, "argv", ["scripts/sweep.py", str(space), "--output_dir", str(out)])
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts the repository first
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(str(REPO / "scripts" / "sweep.py"), run_name="__main__")
+    stderr = capsys.readouterr().err
+    assert stop.value.code == 2
+    assert stderr.strip().splitlines()[-1].startswith("error: search space ") and "Traceback" not in stderr
     assert not out.exists()
 
 
