@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts.readme_commands import BASH_BLOCK, section_block
+from scripts.readme_commands import BASH_BLOCK, section_block, section_commands
 from src.errors import EXIT_USAGE
 from tests.conftest import REPO, free_port, logged_losses, read_metrics, series
 
@@ -124,6 +124,35 @@ def docs_code_block(page: str, first_line: str, language: str = "python") -> str
     found = [block for block in blocks if block.startswith(first_line)]
     assert len(found) == 1, f"{page}: {len(found)} ```{language} blocks start with {first_line!r}"
     return found[0]
+
+
+# docs/customize.md's task written from scratch: its commands' training runs, long enough for 1 and 2 processes to
+# be compared (tests/test_customize.py) as well as run as written (tests/test_docs.py)
+GUIDE_TASK_RUN = ["--learning_rate", "1e-2", "--max_steps", "60", "--logging_steps", "1", "--eval_steps", "1000"]
+
+
+def guide_task_commands(request) -> Path:
+    """docs/customize.md's commands for the task written from scratch, as written, in a folder with the guide's two
+    files where it puts them (a copy of train.py and src/, so the repository's own src/ stays as it is), the training
+    commands with GUIDE_TASK_RUN and --output_dir run<i>: run once per test run (built_once), each checked to exit 0.
+    The folder."""
+    from tests.conftest import assert_ok, built_once, run_command
+
+    with built_once(request, "guide_task") as (cwd, missing):
+        if missing:
+            shutil.rmtree(cwd, ignore_errors=True)  # what a failed build left
+            cwd.mkdir()
+            workspace(cwd, "configs", "accelerate_configs", "scripts")
+            shutil.copy(REPO / "train.py", cwd)  # a copy: python puts a linked script's real folder first on sys.path
+            shutil.copytree(REPO / "src", cwd / "src", ignore=shutil.ignore_patterns("__pycache__"))
+            (cwd / "src" / "tasks" / "sequences.py").write_text(
+                docs_code_block("docs/customize.md", "# src/tasks/sequences.py")
+            )
+            (cwd / "make_sequences.py").write_text(docs_code_block("docs/customize.md", "# make_sequences.py"))
+            for i, command in enumerate(section_commands("Your task", page="docs/customize.md")):
+                extra = [*GUIDE_TASK_RUN, "--output_dir", f"run{i}"] if "train.py" in command else []
+                assert_ok(run_command(as_written(command) + extra, cwd=cwd, timeout=600))
+    return cwd
 
 
 # A page's commands are run where a test calls section_commands("<heading>", page="<page>") (or, for the README's

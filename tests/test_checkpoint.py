@@ -41,13 +41,19 @@ def uninterrupted(tmp_path_factory):
     return runs
 
 
-@pytest.mark.slow
-def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(tmp_path, uninterrupted):
-    """22 steps per epoch: killed while it renames its step-30 checkpoint into place (mid-epoch 1), the run resumes
-    from step_20, in the middle of epoch 0, after removing the unrenamed folder; the per-step losses and eval metrics
-    are those of the uninterrupted run through the DataLoader, bit for bit. (2 processes: the test below.)"""
+@pytest.fixture(scope="module")
+def preempted_then_killed(tmp_path_factory):
+    """One run on 1 process, stopped twice: SIGUSR1 at step 5 (SLURM's --signal), which saves a preemption checkpoint
+    and exits 75; then, resumed from it, SIGKILL while it renames its step-30 checkpoint into place (mid-epoch 1).
+    (output_dir, args, the first start's result and what it left, the second's result and what it left.)"""
+    tmp_path = tmp_path_factory.mktemp("preempted_then_killed")
     out = tmp_path / "run"
     args = [*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "latest"]
+    checkpoints = out / "checkpoints"
+    preempted = run_with_hook(tmp_path, args, signal_at(5, "SIGUSR1"))
+    left = {"checkpoints": [p.name for p in checkpoints.glob("*")], "model": (out / "model").exists()}
+    step_5 = checkpoints / "step_5" / "trainer_state.json"
+    left["state"] = json.loads(step_5.read_text()) if step_5.is_file() else None
     die_in_rename = """
 replace = src.checkpoint.os.replace
 def replace_or_die(src_path, dst_path):
@@ -57,22 +63,36 @@ def replace_or_die(src_path, dst_path):
 src.checkpoint.os.replace = replace_or_die
 """
     killed = run_with_hook(tmp_path, args, extra=die_in_rename)
+    left_killed = {
+        "checkpoints": sorted(p.name for p in checkpoints.glob("*")),
+        "complete": (checkpoints / ".tmp_step_30" / "trainer_state.json").is_file(),
+    }
+    return out, args, (preempted, left), (killed, left_killed)
+
+
+@pytest.mark.slow
+def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(preempted_then_killed, uninterrupted):
+    """22 steps per epoch: killed while it renames its step-30 checkpoint into place (mid-epoch 1), the run resumes
+    from step_20, in the middle of epoch 0, after removing the unrenamed folder; the per-step losses and eval metrics
+    (of all three starts: the first one preempted at step 5) are those of the uninterrupted run through the
+    DataLoader, bit for bit. (2 processes: the test below.)"""
+    out, args, _, (killed, left) = preempted_then_killed
     assert killed.returncode == -signal.SIGKILL
-    checkpoints = out / "checkpoints"
-    assert sorted(p.name for p in checkpoints.iterdir()) == [".tmp_step_30", "step_10", "step_20"]  # 30: not renamed
-    assert (checkpoints / ".tmp_step_30" / "trainer_state.json").is_file()  # fully written
+    assert "resuming from" in killed.stdout + killed.stderr  # from the preemption checkpoint
+    assert left["checkpoints"] == [".tmp_step_30", "step_10", "step_20"]  # 30: not renamed
+    assert left["complete"]  # fully written
 
     resumed = run_main(*args)
     assert_ok(resumed)
     logs = resumed.stdout + resumed.stderr
     assert "removing" in logs and "incomplete checkpoint" in logs and "at step 20" in logs and "resuming from" in logs
-    assert_processes(out, 1)  # both starts
+    assert_processes(out, 1)  # all three starts
     losses, accuracy = train_losses(out)
     expected_losses, expected_accuracy = uninterrupted[1]
     assert list(losses) == list(expected_losses) == list(range(1, 61))
     assert losses == expected_losses  # bit for bit
     assert accuracy == expected_accuracy
-    assert [p.name for p in sorted(checkpoints.iterdir())] == ["step_50", "step_60"]  # save_total_limit 2
+    assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step_50", "step_60"]  # save_total_limit 2
 
 
 @pytest.mark.slow
@@ -110,17 +130,15 @@ def test_sigkill_then_sigterm_on_one_of_2_processes_then_resume_matches_uninterr
 
 
 @pytest.mark.slow
-def test_preemption_signal_on_one_process_saves_and_exits_75(tmp_path):
+def test_preemption_signal_on_one_process_saves_and_exits_75(preempted_then_killed):
     """SLURM's --signal (USR1 or TERM before the time limit): a checkpoint at the next step, marked preempted. SIGUSR1
-    here; SIGTERM takes the same handler (PreemptionSignals.handle), tested on 2 processes above."""
-    out = tmp_path / "run"
-    hook = signal_at(5, "SIGUSR1")
-    result = run_with_hook(tmp_path, [*RUN, "--output_dir", str(out)], hook)
+    here (the first start of preempted_then_killed); SIGTERM takes the same handler (PreemptionSignals.handle), tested
+    on 2 processes above."""
+    _, _, (result, left), _ = preempted_then_killed
     assert result.returncode == EXIT_PREEMPTED
     assert result.stderr.strip().splitlines()[-1].startswith("preempted: checkpoint")
-    state = json.loads((out / "checkpoints" / "step_5" / "trainer_state.json").read_text())
-    assert state["step"] == 5 and state["preempted"] is True
-    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_5"] and not (out / "model").exists()
+    assert left["state"]["step"] == 5 and left["state"]["preempted"] is True
+    assert left["checkpoints"] == ["step_5"] and not left["model"]
 
 
 def alive(pid: int) -> bool:

@@ -28,10 +28,9 @@ from tests.conftest import (
     read_metrics,
     run_command,
     run_main,
-    run_train,
     series,
 )
-from tests.helpers import assert_error_line
+from tests.helpers import assert_error_line, guide_task_commands
 
 GUIDE = (REPO / "docs" / "customize.md").read_text()
 
@@ -66,41 +65,39 @@ def test_the_guides_metric_on_the_digits(tmp_path):
     assert 0.85 < final["eval/f1_macro"] <= 1.0
 
 
-def test_a_task_written_from_the_guide_trains_the_same_on_1_and_2_processes(tmp_path, monkeypatch, capsys):
-    """The guide's task file, verbatim, in a package of its own: its collate_fn pads variable-length samples, its
-    typed option is a flag saved in config.yaml, and 1 and 2 processes train it identically, to well above chance."""
+def test_a_task_written_from_the_guide_trains_the_same_on_1_and_2_processes(request, tmp_path, monkeypatch, capsys):
+    """The guide's task file, verbatim, where the guide puts it: its collate_fn pads variable-length samples, its
+    typed option is a flag saved in config.yaml, and 1 and 2 processes train it identically, to well above chance.
+    The runs are the guide's own two commands (tests/helpers.py: guide_task_commands, which tests/test_docs.py runs
+    as written); the option's checks and help in this process, the file in a package of its own."""
+    cwd = guide_task_commands(request)
+    data = cwd / "data" / "sequences"
+    assert [len((data / f"{split}.jsonl").read_text().splitlines()) for split in ("train", "eval")] == [640, 101]
+    runs = {1: cwd / "run1", 2: cwd / "run2"}  # `python train.py ...`, then `accelerate launch ... ddp.yaml ...`
+    for n, out in runs.items():
+        assert_processes(out, n)
+        assert yaml.safe_load((out / "config.yaml").read_text())["learning_rate"] == 1e-2  # GUIDE_TASK_RUN's
+    one, two = (read_metrics(runs[n]) for n in (1, 2))
+    losses = [series(rows, "train/loss") for rows in (one, two)]
+    assert list(losses[0]) == list(range(1, 61)) == list(losses[1])
+    torch.testing.assert_close(torch.tensor(list(losses[1].values())), torch.tensor(list(losses[0].values())),
+                               atol=1e-5, rtol=0)  # fmt: skip
+    final = [rows[-1] for rows in (one, two)]
+    assert final[0]["eval/num_samples"] == final[1]["eval/num_samples"] == 101
+    assert final[0]["eval/accuracy"] == final[1]["eval/accuracy"] > 0.8  # 3 classes: chance is 1/3
+
+    saved = yaml.safe_load((runs[2] / "config.yaml").read_text())
+    assert saved["task"] == "src.tasks.sequences" and saved["embedding_dim"] == 16
+    assert saved["tokens_column"] == "tokens" and "task_args" not in saved
+
     package = tmp_path / "guide_tasks"
     package.mkdir()
     (package / "__init__.py").write_text("")
     (package / "sequences.py").write_text(code_block("# src/tasks/sequences.py"))
-    made = run_command([sys.executable, "-c", code_block("# make_sequences.py")], cwd=tmp_path)
-    assert_ok(made)
-    data = tmp_path / "data" / "sequences"
-    assert [len((data / f"{split}.jsonl").read_text().splitlines()) for split in ("train", "eval")] == [640, 101]
-
+    monkeypatch.syspath_prepend(str(tmp_path))
     files = f"{{train: {data / 'train.jsonl'}, eval: {data / 'eval.jsonl'}}}"
     task = ["--task", "guide_tasks.sequences", "--data_files", files]
-    args = [*task, "--embedding_dim", "16", "--learning_rate", "1e-2", "--max_steps", "60",
-            "--logging_steps", "1", "--eval_steps", "1000"]  # fmt: skip
-    runs = {n: tmp_path / f"run{n}" for n in (1, 2)}
-    monkeypatch.syspath_prepend(str(tmp_path))  # 1 process: in this one, as are the option's checks and help
     try:
-        assert_ok(run_main(*args, "--output_dir", str(runs[1])))
-        assert_ok(run_train(*args, "--output_dir", str(runs[2]), processes=2, env={"PYTHONPATH": str(tmp_path)}))
-        for n, out in runs.items():
-            assert_processes(out, n)
-        one, two = (read_metrics(runs[n]) for n in (1, 2))
-        losses = [series(rows, "train/loss") for rows in (one, two)]
-        assert list(losses[0]) == list(range(1, 61)) == list(losses[1])
-        torch.testing.assert_close(torch.tensor(list(losses[1].values())), torch.tensor(list(losses[0].values())),
-                                   atol=1e-5, rtol=0)  # fmt: skip
-        final = [rows[-1] for rows in (one, two)]
-        assert final[0]["eval/num_samples"] == final[1]["eval/num_samples"] == 101
-        assert final[0]["eval/accuracy"] == final[1]["eval/accuracy"] > 0.8  # 3 classes: chance is 1/3
-
-        saved = yaml.safe_load((runs[2] / "config.yaml").read_text())
-        assert saved["task"] == "guide_tasks.sequences" and saved["embedding_dim"] == 16
-        assert saved["tokens_column"] == "tokens" and "task_args" not in saved
         with pytest.raises(UsageError, match=r"--embeding_dim 16; did you mean --embedding_dim\?"):
             parse_config([*task, "--embeding_dim", "16"])
         with pytest.raises(UsageError, match="embedding_dim.*Expected a <class 'int'>"):

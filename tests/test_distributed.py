@@ -19,7 +19,7 @@ from tests.conftest import (
     run_python,
     series,
 )
-from tests.helpers import needs, readme_command
+from tests.helpers import as_written, needs, readme_command
 
 # Over 40 steps at this learning rate float32 round-off (different summation order in DDP's all-reduce)
 # stays below 1e-6; at higher rates training amplifies it, as it does for 1-process accumulation vs one batch.
@@ -76,21 +76,29 @@ def test_two_processes_log_each_line_once(one_and_two_processes, tmp_path):
     assert console.count("model saved to") == 1
 
 
+def readme_processes_command() -> str:
+    """The README's launch line that names its own process count (`--num_processes 8`)."""
+    from scripts.readme_commands import section_commands
+
+    (command,) = [c for c in section_commands("Launch on any hardware") if "--num_processes" in c]
+    return command
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("processes", [1, 2, 3])
+@pytest.mark.parametrize("processes", [1, 2, "README"])
 def test_eval_counts_every_sample_once(one_and_two_processes, out, processes):
     """359 eval images (a prime): uneven shards on any process count, still each sample counted once. 1 and 2
-    processes: the runs above (evaluated twice each); 3: a run of its own (a global batch of 96 = 16 x 3 x 2)."""
+    processes: the runs above (evaluated twice each); more: the README's `--num_processes 8` command, run here as
+    written (tests/test_readme.py leaves it to this test) and checked as test_readme.py checks a launch line."""
     if processes in one_and_two_processes:
         rows = one_and_two_processes[processes][1]
     else:
-        result = run_on(
-            processes,
-            *QUICK, "--output_dir", str(out), "--global_batch_size", "96", "--per_device_train_batch_size", "16",
-        )  # fmt: skip
+        words = as_written(readme_processes_command())
+        result = run_command([*words, *QUICK, "--output_dir", str(out)], timeout=600)
         assert_ok(result)
-        assert_processes(out, processes)
+        assert_processes(out, int(words[words.index("--num_processes") + 1]))
         rows = read_metrics(out)
+        assert rows[0]["setup/strategy"] == "DDP"
     counted = list(series(rows, "eval/num_samples").values())
     assert counted and set(counted) == {359}
 

@@ -20,9 +20,15 @@ def test_quickstart_is_exactly_two_commands_and_ci_runs_them():
 
 
 # Commands whose runs other tests train and read: the sharded strategies' (tests/test_sharded.py: killed, resumed,
-# checked against one process), ddp.yaml's (tests/test_distributed.py: checked against one process) and `python
-# train.py` (conftest's default_run, trained once per test run).
-RUN_ELSEWHERE = [*(readme_command(config) for config in STRATEGIES), readme_command("ddp"), "python train.py"]
+# checked against one process), ddp.yaml's (tests/test_distributed.py: checked against one process), the one with
+# its own --num_processes (tests/test_distributed.py: counts the eval samples on that many) and `python train.py`
+# (conftest's default_run, trained once per test run).
+RUN_ELSEWHERE = [
+    *(readme_command(config) for config in STRATEGIES),
+    readme_command("ddp"),
+    *(command for command in section_commands("Launch on any hardware") if "--num_processes" in command),
+    "python train.py",
+]
 
 
 @pytest.mark.slow

@@ -18,11 +18,14 @@ from tests.conftest import (
 )
 from tests.helpers import needs
 
+NOTEBOOK = REPO / "notebooks" / "train_in_notebook.ipynb"
+
 LAUNCH_TWICE = """
 import os, signal, sys
 os.setpgrp()  # a hang ends with its forked processes: the deadline kills the whole group, not only this process
 signal.signal(signal.SIGALRM, lambda *_: os.killpg(0, signal.SIGKILL))
 signal.alarm({deadline})
+{notebook}
 sys.path.insert(0, {repo!r})
 from accelerate import notebook_launcher
 from train import main
@@ -36,15 +39,25 @@ EARLY_STOPPING = ["--max_steps", "200", "--eval_steps", "10", "--logging_steps",
                   "--early_stopping_mode", "max"]  # fmt: skip
 
 
+def notebook_code() -> str:
+    """The notebook's code cells, in order, as Jupyter runs them; none where the notebook feature was removed."""
+    if not NOTEBOOK.is_file():
+        return ""
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    return "\n\n".join("".join(cell["source"]) for cell in cells if cell["cell_type"] == "code")
+
+
 @pytest.fixture(scope="module")
 def launched_twice(tmp_path_factory):
     """Two 2-process runs from one Python process through notebook_launcher, as a notebook re-runs its cell: a short
-    one, then one that stops early (result, {name: output_dir})."""
+    one, then one that stops early (result, {name: output_dir}). Where the project has notebooks/train_in_notebook.ipynb
+    its code runs first in that process, from the notebooks/ folder as Jupyter starts it: three launches, two reruns."""
     folder = tmp_path_factory.mktemp("notebook_launcher")
     runs = {"quick": [*QUICK, "--output_dir", str(folder / "quick")],
             "early": [*EARLY_STOPPING, "--output_dir", str(folder / "early")]}  # fmt: skip
     # a process that stopped early alone would leave the other hanging until the deadline (then exit -9)
-    result = run_python("-c", LAUNCH_TWICE.format(repo=str(REPO), runs=list(runs.values()), deadline=150))
+    code = LAUNCH_TWICE.format(repo=str(REPO), runs=list(runs.values()), deadline=200, notebook=notebook_code())
+    result = run_python("-c", code, cwd=NOTEBOOK.parent if NOTEBOOK.is_file() else REPO)
     return result, {name: folder / name for name in runs}
 
 
@@ -60,10 +73,9 @@ def test_notebook_launcher_forms_a_two_process_group_and_can_rerun(launched_twic
 
 @pytest.mark.slow
 @needs("notebook")
-def test_the_notebook_runs(tmp_path):
-    notebook = json.loads((REPO / "notebooks" / "train_in_notebook.ipynb").read_text())
-    code = "\n\n".join("".join(cell["source"]) for cell in notebook["cells"] if cell["cell_type"] == "code")
-    result = run_python("-c", code, cwd=REPO / "notebooks")
+def test_the_notebook_runs(launched_twice):
+    """The notebook's cells, run as the first launch of launched_twice's process."""
+    result, _ = launched_twice
     assert_ok(result)
     assert "world size: 2" in result.stdout
     assert_processes(REPO / "runs" / "notebook", 2)  # the notebook's output_dir, relative to the repo root

@@ -1,6 +1,7 @@
 """The task contract: how --task finds a class, its typed options on the command line, its errors."""
 
 import dataclasses
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -299,12 +300,19 @@ def cpu_cannot_run(tmp_path: Path, config: str) -> Path:
     "config, message",
     [("ddp.yaml", "fp16 mixed precision needs a GPU"), ("fsdp.yaml", "asks for FSDP version 1")],
 )  # fmt: skip
-def test_launch_script_refuses_what_this_machine_cannot_run_in_one_line(tmp_path, config, message):
+def test_launch_script_refuses_what_this_machine_cannot_run_in_one_line(tmp_path, capsys, config, message):
+    """scripts/launch.py's config check, in this process as its main() calls it before anything else (a whole
+    `python scripts/launch.py` refusing a config with one line and nothing more: tests/test_errors.py)."""
+    from scripts.launch import exit_if_unusable
+
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     path = cpu_cannot_run(tmp_path, config)
-    result = run_command([sys.executable, "scripts/launch.py", "--config_file", str(path),
-                          "--num_processes", "2", "train.py", *QUICK])  # fmt: skip
+    with pytest.raises(SystemExit) as stopped:
+        exit_if_unusable(["--config_file", str(path), "--num_processes", "2", "train.py", *QUICK])
+    captured = capsys.readouterr()
+    result = subprocess.CompletedProcess("scripts/launch.py", stopped.value.code, captured.out, captured.err)
+    assert result.stdout == ""
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]  # one line, nothing else
     assert result.stderr.startswith(f"error: accelerate config {path}: ")

@@ -57,31 +57,44 @@ def test_wandb_without_credentials_goes_offline_on_two_processes(wandb_and_mlflo
     assert console.count("wandb: no API key found, logging offline") == 1
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(shutil.which("script") is None, reason="needs util-linux `script` for a pseudo-terminal")
-def test_wandb_without_credentials_in_a_terminal_does_not_prompt(tmp_path):
-    out = tmp_path / "run"
-    command = [*launch_command(2), *QUICK, "--output_dir", str(out), "--report_to", "wandb"]
-    result = run_command(["script", "-qec", shlex.join(command), "/dev/null"], env=no_wandb_credentials(tmp_path),
-                         timeout=120)  # fmt: skip
+NEEDS_SCRIPT = pytest.mark.skipif(shutil.which("script") is None, reason="needs util-linux `script`: a pseudo-terminal")
+
+
+@pytest.fixture(scope="module")
+def resumed_in_a_terminal(wandb_and_mlflow, tmp_path_factory):
+    """(output_dir, console) of the launch above (6 steps, checkpoints at 3 and 6) resumed on 2 processes in a
+    pseudo-terminal with a size, as a user's is (`script` alone makes a 0x0 one, where tqdm hides the bar): 4 more
+    steps reported to wandb, still without credentials. `script` merges both streams into stdout."""
+    first, _, _ = wandb_and_mlflow
+    home = tmp_path_factory.mktemp("terminal")
+    out = home / "run"
+    shutil.copytree(first, out)
+    command = [*launch_command(2), *QUICK, "--max_steps", "10", "--output_dir", str(out), "--report_to", "wandb",
+               "--save_steps", "3", "--resume_from_checkpoint", "latest"]  # fmt: skip
+    result = run_command(["script", "-qec", f"stty rows 24 cols 120 && {shlex.join(command)}", "/dev/null"],
+                         env=no_wandb_credentials(home), timeout=120)  # fmt: skip
     assert_ok(result)
     assert_processes(out, 2)
-    assert len(offline_runs(out)) == 1
-    assert "no API key found, logging offline" in result.stdout  # `script` merges both streams into stdout
+    return out, result.stdout
 
 
 @pytest.mark.slow
-def test_resumed_run_continues_the_same_wandb_run(wandb_and_mlflow, tmp_path):
-    """The launch above (6 steps, checkpoints at 3 and 6) resumed by a start of 10 steps that reports to wandb: it
-    logs to the same wandb run (a second offline folder with the first one's id)."""
-    first, _, _ = wandb_and_mlflow
-    out = tmp_path / "run"
-    shutil.copytree(first, out)
-    args = [*QUICK, "--max_steps", "10", "--output_dir", str(out), "--report_to", "wandb",
-            "--save_steps", "3", "--resume_from_checkpoint", "latest"]  # fmt: skip
-    result = run_command([*launch_command(1), *args], env=no_wandb_credentials(tmp_path))
-    assert_ok(result)
-    assert "resuming from" in result.stdout + result.stderr
+@NEEDS_SCRIPT
+def test_wandb_without_credentials_in_a_terminal_does_not_prompt(resumed_in_a_terminal):
+    """The 2-process launch in a terminal (stdin a terminal too) went offline instead of prompting: one more
+    offline run, a line saying so."""
+    out, console = resumed_in_a_terminal
+    assert len(offline_runs(out)) == 2  # the first launch's and this one's
+    assert "no API key found, logging offline" in console
+
+
+@pytest.mark.slow
+@NEEDS_SCRIPT
+def test_resumed_run_continues_the_same_wandb_run(resumed_in_a_terminal):
+    """The first launch resumed by a start of 10 steps that reports to wandb: it logs to the same wandb run (a second
+    offline folder with the first one's id)."""
+    out, console = resumed_in_a_terminal
+    assert "resuming from" in console
     run_ids = {path.name.rsplit("-", 1)[1] for path in offline_runs(out)}
     assert len(offline_runs(out)) == 2 and len(run_ids) == 1
 
@@ -137,20 +150,18 @@ def test_every_log_interval_has_the_throughput_and_memory_keys(tmp_path):
         assert row["train/samples_per_s"] > 0 and row["train/peak_memory_gb"] > 0
 
 
-# tqdm's bar: "| 6/6 [00:01<00:00,  4.50step/s]" (or "s/step" when a step takes longer than a second)
-PROGRESS_BAR = re.compile(r"\| *6/6 \[[^\]]*(step/s|s/step)")
+# tqdm's bar: "| 4/10 [00:01<00:00,  4.50step/s]" (or "s/step" when a step takes longer than a second), ending
+# at "10/10" (6/6 for the 6 steps of a run from the start)
+PROGRESS_BAR = re.compile(r"\| *(\d+)/\1 \[[^\]]*(step/s|s/step)")
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("script") is None, reason="needs util-linux `script` for a pseudo-terminal")
-def test_progress_bar_in_a_terminal_and_plain_lines_otherwise(tmp_path, piped):
-    command = [*launch_command(1), *QUICK, "--output_dir", str(tmp_path / "tty")]
-    # a terminal with a size, as a user's has (`script` alone makes a 0x0 one, where tqdm hides the bar)
-    in_terminal = run_command(["script", "-qec", f"stty rows 24 cols 120 && {shlex.join(command)}", "/dev/null"])
-    assert_ok(in_terminal)
-    assert PROGRESS_BAR.search(in_terminal.stdout), in_terminal.stdout[-2000:]  # `script` merges both streams
+@NEEDS_SCRIPT
+def test_progress_bar_in_a_terminal_and_plain_lines_otherwise(resumed_in_a_terminal, piped):
+    _, in_terminal = resumed_in_a_terminal
+    assert PROGRESS_BAR.search(in_terminal), in_terminal[-2000:]
 
-    logs = piped  # the same training, its output a pipe
+    logs = piped  # a run with its output a pipe
     assert not PROGRESS_BAR.search(logs) and "step/s" not in logs and "\r" not in logs
     assert [int(step) for step in re.findall(r"step (\d+) \| train/loss", logs)] == [2, 4, 6]  # plain lines
 
