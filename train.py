@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader
 
 from src import batches, checkpoint, distributed, errors, features, final_model, loaders, run_dir, tasks, tracking
 from src.best import BestEvaluation
+from src.checkpoint import TrainerState
 from src.cli import parse_config
 from src.config import TrainConfig
 from src.meters import TrainMeters
@@ -128,9 +129,7 @@ def train(config: TrainConfig) -> dict:
         accelerator.register_for_checkpointing(position)
 
     # --- resume: weights, optimiser, scheduler and RNG from the checkpoint ---
-    state = checkpoint.TrainerState(
-        global_batch=batch, world_size=accelerator.num_processes, strategy=strategy_of(model)
-    )
+    state = TrainerState(global_batch=batch, world_size=accelerator.num_processes, strategy=strategy_of(model))
     features.installed().before_resume(accelerator, config)  # e.g. a newer checkpoint fetched from object storage
     state, resumed = checkpoint.resume(accelerator, config, state)  # --resume_from_checkpoint: the checkpoint's state
     if steps_per_epoch:  # data of known length: the position follows from the step
@@ -214,7 +213,7 @@ def train_step(accelerator, task, model, optimizer, window, meter: TrainMeters, 
     return grad_norm
 
 
-def finish_training(run: Setup, config, state: checkpoint.TrainerState, best: BestEvaluation, metrics: dict, step):
+def finish_training(run: Setup, config, state: TrainerState, best: BestEvaluation, metrics: dict, step):
     """After the last step: the best model if asked, `model/`, then the test split and predictions (`finish`) and
     the Hub. `metrics`: the last evaluation's. A signal now changes nothing."""
     accelerator, task, model, output_dir = run.accelerator, run.task, run.model, Path(config.output_dir)
