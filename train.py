@@ -90,9 +90,8 @@ def set_up(config: TrainConfig, training: bool) -> Setup:
     task = tasks.build_task(config)
     pin_memory = accelerator.device.type == "cuda"
     train_loader, eval_loader = loaders.build_loaders(task, config, accelerator, training, pin_memory)
-    test_loader = loaders.build_test_loader(task, config, pin_memory)  # None when the data has no test split
-    predict_split = loaders.predicted_split(config)  # --do_predict: the test split, else the eval split
-    predict_loader = loaders.build_predict_loader(task, config, predict_split)  # the task's prediction inputs, or None
+    # the labelled test split's (None where the data has none), and --do_predict's split with its prediction inputs
+    test_loader, predict_split, predict_loader = loaders.build_test_and_predict_loaders(task, config, pin_memory)
     model = distributed.sync_batchnorm(tasks.starting_model(task, config, accelerator), accelerator)
     if config.gradient_checkpointing:
         distributed.enable_gradient_checkpointing(model)
