@@ -192,9 +192,8 @@ def train(config: TrainConfig) -> dict:
 def train_step(accelerator, task, model, optimizer, window, meter: TrainMeters, config, measure_norm: bool):
     """One optimiser step over an accumulation window: forward and backward per micro-batch (gradients sync on the
     last), then clip and step. The gradient norm when `measure_norm`, else None."""
-    scale = None  # a loss that is a sum: scaled by its terms' count over the global batch (see summed_loss_scale)
-    if task.loss_reduction == "sum":
-        scale = distributed.summed_loss_scale(accelerator, task, window)
+    # a loss that is a sum: scaled by its terms' count over the global batch (see summed_loss_scale)
+    scale = distributed.summed_loss_scale(accelerator, task, window) if task.loss_reduction == "sum" else None
     for batch in window:
         with accelerator.accumulate(model):  # no gradient sync before the window's last micro-batch
             loss = task.loss(model, batch) if scale is None else task.loss(model, batch) * scale
@@ -296,8 +295,7 @@ def evaluate(task, model, eval_loader, metric, accelerator, prefix: str = "eval"
     scores = {"eval/loss": (loss_sum / weight_sum).item()}
     if metric is not None:
         scores |= {f"eval/{name}": value for name, value in metric.compute().items()}
-    scores |= task.derived_metrics(scores)
-    scores = {**scores, "eval/num_samples": num_samples}
+    scores |= task.derived_metrics(scores) | {"eval/num_samples": num_samples}
     return {f"{prefix}/{key.removeprefix('eval/')}": value for key, value in scores.items()}
 
 
