@@ -123,11 +123,6 @@ def launch(args: list[str]) -> int:
     return 0
 
 
-def main() -> None:
-    args = sys.argv[1:]
-    exit_if_unusable(args)
-    sys.exit(launch(args))
-
-
 if __name__ == "__main__":
-    main()
+    exit_if_unusable(sys.argv[1:])
+    sys.exit(launch(sys.argv[1:]))
