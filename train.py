@@ -28,26 +28,16 @@ from accelerate.utils import find_executable_batch_size, set_seed
 from torch import nn
 from torch.utils.data import DataLoader
 
-from src import (
-    batches,
-    checkpoint,
-    distributed,
-    errors,
-    features,
-    final_model,
-    loaders,
-    meters,
-    optim,
-    run_dir,
-    strategy,
-    tasks,
-    tracking,
-)
+from src import batches, checkpoint, distributed, errors, features, final_model, loaders, run_dir, tasks, tracking
 from src.best import BestEvaluation
+from src.checkpoint import TrainerState
 from src.cli import parse_config
 from src.config import TrainConfig
+from src.meters import TrainMeters
 from src.metrics import Metric, load_metrics
+from src.optim import build_optimizer, build_scheduler
 from src.preemption import PreemptionSignals
+from src.strategy import prepare_needs_optimizer, strategy_of
 
 logger = logging.getLogger("train")
 
@@ -100,17 +90,15 @@ def set_up(config: TrainConfig, training: bool) -> Setup:
     task = tasks.build_task(config)
     pin_memory = accelerator.device.type == "cuda"
     train_loader, eval_loader = loaders.build_loaders(task, config, accelerator, training, pin_memory)
-    test_loader = loaders.build_test_loader(task, config, pin_memory)  # None when the data has no test split
-    predict_split = loaders.predicted_split(config)  # --do_predict: the test split, else the eval split
-    predict_loader = loaders.build_predict_loader(task, config, predict_split)  # the task's prediction inputs, or None
-    model = task.load_model(config.model_name_or_path) if config.model_name_or_path else task.build_model()
-    model = distributed.sync_batchnorm(features.installed().adapt_model(model, accelerator), accelerator)
+    # the labelled test split's (None where the data has none), and --do_predict's split with its prediction inputs
+    test_loader, predict_split, predict_loader = loaders.build_test_and_predict_loaders(task, config, pin_memory)
+    model = distributed.sync_batchnorm(tasks.starting_model(task, config, accelerator), accelerator)
     if config.gradient_checkpointing:
         distributed.enable_gradient_checkpointing(model)
     metric = load_metrics(task.metrics if config.metrics is None else config.metrics)
     # eval-only under FSDP2 or ZeRO-1/2 still hands prepare an optimizer (never stepped): Accelerate needs one there
-    needs_optimizer = training or strategy.prepare_needs_optimizer(accelerator)
-    optimizer = optim.build_optimizer(model, config, fused=pin_memory) if needs_optimizer else None
+    needs_optimizer = training or prepare_needs_optimizer(accelerator)
+    optimizer = build_optimizer(model, config, fused=pin_memory) if needs_optimizer else None
     model, optimizer, train_loader, eval_loader, test_loader, predict_loader = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, test_loader, predict_loader
     )
@@ -133,16 +121,14 @@ def train(config: TrainConfig) -> dict:
     # --- how long: counted in optimiser steps, each seeing the same global batch on any process count ---
     steps_per_epoch = batches.steps_per_epoch(run.train_loader, accumulation)  # None: a stream has no length
     total_steps = config.max_steps if config.max_steps > 0 else math.ceil(config.num_train_epochs * steps_per_epoch)
-    lr_scheduler = optim.build_scheduler(run.optimizer, config, total_steps)  # stepped once per optimiser step
+    lr_scheduler = build_scheduler(run.optimizer, config, total_steps)  # stepped once per optimiser step
     accelerator.register_for_checkpointing(lr_scheduler)
     position = batches.DataPosition()  # where training is in its data: a stream's is in every checkpoint
     if steps_per_epoch is None:
         accelerator.register_for_checkpointing(position)
 
     # --- resume: weights, optimiser, scheduler and RNG from the checkpoint ---
-    state = checkpoint.TrainerState(
-        global_batch=batch, world_size=accelerator.num_processes, strategy=strategy.strategy_of(model)
-    )
+    state = TrainerState(global_batch=batch, world_size=accelerator.num_processes, strategy=strategy_of(model))
     features.installed().before_resume(accelerator, config)  # e.g. a newer checkpoint fetched from object storage
     state, resumed = checkpoint.resume(accelerator, config, state)  # --resume_from_checkpoint: the checkpoint's state
     if steps_per_epoch:  # data of known length: the position follows from the step
@@ -156,7 +142,7 @@ def train(config: TrainConfig) -> dict:
 
     # --- train ---
     step, eval_metrics = state.step, {}  # eval_metrics: the latest evaluation's
-    meter = meters.TrainMeters(accelerator, task, model, run.optimizer, config, state)
+    meter = TrainMeters(accelerator, task, model, run.optimizer, config, state)
     best = BestEvaluation(config, state)  # a new best model is checkpointed; early stopping
     progress = tracking.progress_bar(accelerator, total_steps, initial=step)
     export = partial(final_model.export_model, accelerator, task, run.saved_model) if task.export_checkpoints else None
@@ -203,12 +189,11 @@ def train(config: TrainConfig) -> dict:
     return final_metrics
 
 
-def train_step(accelerator, task, model, optimizer, window, meter: meters.TrainMeters, config, measure_norm: bool):
+def train_step(accelerator, task, model, optimizer, window, meter: TrainMeters, config, measure_norm: bool):
     """One optimiser step over an accumulation window: forward and backward per micro-batch (gradients sync on the
     last), then clip and step. The gradient norm when `measure_norm`, else None."""
-    scale = None  # a loss that is a sum: scaled by its terms' count over the global batch (see summed_loss_scale)
-    if task.loss_reduction == "sum":
-        scale = distributed.summed_loss_scale(accelerator, task, window)
+    # a loss that is a sum: scaled by its terms' count over the global batch (see summed_loss_scale)
+    scale = distributed.summed_loss_scale(accelerator, task, window) if task.loss_reduction == "sum" else None
     for batch in window:
         with accelerator.accumulate(model):  # no gradient sync before the window's last micro-batch
             loss = task.loss(model, batch) if scale is None else task.loss(model, batch) * scale
@@ -226,7 +211,7 @@ def train_step(accelerator, task, model, optimizer, window, meter: meters.TrainM
     return grad_norm
 
 
-def finish_training(run: Setup, config, state: checkpoint.TrainerState, best: BestEvaluation, metrics: dict, step):
+def finish_training(run: Setup, config, state: TrainerState, best: BestEvaluation, metrics: dict, step):
     """After the last step: the best model if asked, `model/`, then the test split and predictions (`finish`) and
     the Hub. `metrics`: the last evaluation's. A signal now changes nothing."""
     accelerator, task, model, output_dir = run.accelerator, run.task, run.model, Path(config.output_dir)
@@ -310,8 +295,7 @@ def evaluate(task, model, eval_loader, metric, accelerator, prefix: str = "eval"
     scores = {"eval/loss": (loss_sum / weight_sum).item()}
     if metric is not None:
         scores |= {f"eval/{name}": value for name, value in metric.compute().items()}
-    scores |= task.derived_metrics(scores)
-    scores = {**scores, "eval/num_samples": num_samples}
+    scores |= task.derived_metrics(scores) | {"eval/num_samples": num_samples}
     return {f"{prefix}/{key.removeprefix('eval/')}": value for key, value in scores.items()}
 
 

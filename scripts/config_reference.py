@@ -74,12 +74,11 @@ def main() -> int:
     before, rest = page.split(START, 1)
     _, after = rest.split(END, 1)
     updated = f"{before}{START}\n{table()}\n{END}{after}"
-    if "--check" in sys.argv[1:]:
-        if updated != page:
-            print(f"{name}'s config reference is out of date: run python scripts/config_reference.py", file=sys.stderr)
-            return 1
-        return 0
-    PAGE.write_text(updated)
+    if "--check" not in sys.argv[1:]:
+        PAGE.write_text(updated)
+    elif updated != page:
+        print(f"{name}'s config reference is out of date: run python scripts/config_reference.py", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -40,13 +40,12 @@ def convert(source: Path, target: Path, to: str) -> None:
     from accelerate import Accelerator
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from src import features, optim, tasks
+    from src import optim, tasks
     from src.cli import parse_config
 
     config = parse_config(["--config", str(source / CONFIG_FILE)])
     task = tasks.build_task(config)
-    model = task.load_model(config.model_name_or_path) if config.model_name_or_path else task.build_model()
-    model = features.installed().adapt_model(model, Accelerator(cpu=True))  # e.g. LoRA's adapters, as in training
+    model = tasks.starting_model(task, config, Accelerator(cpu=True))  # e.g. with LoRA's adapters, as in training
     optimizer = optim.build_optimizer(model, config, fused=False)
     if sharded:  # DCP's files -> this process's whole model and optimizer
         model_state, optimizer_state = get_state_dict(model, optimizer)  # (an empty optimizer state is initialised)

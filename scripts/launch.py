@@ -17,6 +17,7 @@ import sys
 import typing
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # for src/, imported where it is needed
 
 
 def check_config_file(path: str) -> str | None:
@@ -61,7 +62,6 @@ def check_machine(config) -> str | None:
     config's settings passed as the variables `accelerate launch` would give the processes."""
     from accelerate.utils import patch_environment
 
-    sys.path.insert(0, REPO)
     from src.distributed import has_accelerator
     from src.errors import LaunchError
     from src.strategy import check_launch
@@ -103,7 +103,6 @@ def launch(args: list[str]) -> int:
     from accelerate.commands.launch import launch_command, launch_command_parser
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    sys.path.insert(0, REPO)
     from src.errors import DOCUMENTED_EXIT_CODES
 
     def reported(record: logging.LogRecord) -> bool:  # "process N failed (exitcode: 2)", "Sending process M SIGTERM"
@@ -124,11 +123,6 @@ def launch(args: list[str]) -> int:
     return 0
 
 
-def main() -> None:
-    args = sys.argv[1:]
-    exit_if_unusable(args)
-    sys.exit(launch(args))
-
-
 if __name__ == "__main__":
-    main()
+    exit_if_unusable(sys.argv[1:])
+    sys.exit(launch(sys.argv[1:]))

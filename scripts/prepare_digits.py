@@ -23,7 +23,7 @@ def write_split(path: Path, images: np.ndarray, labels: np.ndarray) -> None:
     pq.write_table(pa.table({"pixels": images.astype(np.uint8).tolist(), "label": labels.astype(np.int64)}), path)
 
 
-def main() -> None:
+if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("data/digits"))
     args = parser.parse_args()
@@ -36,7 +36,3 @@ def main() -> None:
     write_split(args.out / "train.parquet", digits.data[train_idx], digits.target[train_idx])
     write_split(args.out / "eval.parquet", digits.data[eval_idx], digits.target[eval_idx])
     print(f"wrote {len(train_idx)} train and {len(eval_idx)} eval images to {args.out}")
-
-
-if __name__ == "__main__":
-    main()

@@ -16,8 +16,7 @@ BASH_BLOCK = re.compile(r"^```bash\n(.*?)^```", flags=re.DOTALL | re.MULTILINE)
 def section_block(heading: str, page: str | Path = "README.md") -> re.Match:
     """The first ```bash block after the `## <heading>` (or `# <heading>`) line of `page`, a path relative to the
     repository root."""
-    path = REPO / page
-    text = path.read_text()
+    text = (REPO / page).read_text()
     start = re.search(rf"^##? {re.escape(heading)}.*$", text, flags=re.MULTILINE | re.IGNORECASE)
     if not start:
         raise SystemExit(f"{page} has no '## {heading}' section")

@@ -63,27 +63,20 @@ def build_eval_loader(dataset: Dataset, config: TrainConfig, collate_fn=None, ma
     )
 
 
-def build_test_loader(task, config: TrainConfig, pin_memory: bool = False):
-    """The labelled test split, evaluated at the end, when the data has one and --do_eval is on; else None."""
-    if not (config.do_eval and has_split(config, config.test_split)):
-        return None
-    dataset = task.build_eval_dataset(config.test_split)
-    return build_eval_loader(dataset, config, task.collate_fn(), config.max_predict_samples, pin_memory)
-
-
-def predicted_split(config: TrainConfig) -> str | None:
-    """What --do_predict predicts: the test split, or the eval split where the data has no test split."""
-    if not config.do_predict:
-        return None
-    return config.test_split if has_split(config, config.test_split) else config.eval_split
-
-
-def build_predict_loader(task, config: TrainConfig, split: str | None):
-    """The task's unlabelled inputs of `split` (a language model's prompts), one per row, in order; None without one."""
-    if split is None:
-        return None
-    inputs = task.build_eval_dataset(split, labelled=False)
-    return build_eval_loader(inputs, config, task.collate_fn(), config.max_predict_samples)
+def build_test_and_predict_loaders(task, config: TrainConfig, pin_memory: bool = False):
+    """(test loader, predicted split, predict loader). The labelled test split, evaluated at the end, when the data has
+    one and --do_eval is on; --do_predict's split (the test split, or the eval split where the data has no test split)
+    and the task's unlabelled inputs of it (a language model's prompts), one per row, in order. None: not asked for."""
+    has_test = (config.do_eval or config.do_predict) and has_split(config, config.test_split)
+    test_loader = predict_split = predict_loader = None
+    if config.do_eval and has_test:
+        dataset = task.build_eval_dataset(config.test_split)
+        test_loader = build_eval_loader(dataset, config, task.collate_fn(), config.max_predict_samples, pin_memory)
+    if config.do_predict:
+        predict_split = config.test_split if has_test else config.eval_split
+        inputs = task.build_eval_dataset(predict_split, labelled=False)
+        predict_loader = build_eval_loader(inputs, config, task.collate_fn(), config.max_predict_samples)
+    return test_loader, predict_split, predict_loader
 
 
 def check_first_batch(loader: DataLoader, task) -> None:

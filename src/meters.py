@@ -161,9 +161,7 @@ class TrainMeters:
             return {}
         self.shard_bytes_logged = True
         # the torch optimizer handed to `prepare`: DeepSpeed's ZeRO optimizer and FSDP2 keep this process's part in it
-        states = [
-            value for state in self.optimizer.state.values() for value in state.values() if torch.is_tensor(value)
-        ]
+        states = [t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
         held = [sum(map(local_bytes, self.model.parameters())), sum(map(local_bytes, states))]
         sizes = torch.tensor([held], dtype=torch.float64, device=self.accelerator.device)
         largest = self.accelerator.gather(sizes).amax(dim=0).tolist()

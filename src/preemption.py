@@ -55,8 +55,7 @@ class PreemptionSignals(contextlib.AbstractContextManager):
 
     def __init__(self, accelerator):
         self.alone = accelerator.num_processes == 1
-        self.received = False
-        self.previous = {}
+        self.received, self.previous = False, {}  # previous: the handlers replaced, restored on exit
         for name in ("SIGTERM", "SIGUSR1"):
             # ValueError outside the main thread (some notebook runners): then no handler, as before
             with contextlib.suppress(ValueError, AttributeError):

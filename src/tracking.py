@@ -84,8 +84,12 @@ def start_tracking(accelerator, config: TrainConfig, resume_run_id: str | None =
         configure_wandb(config)
         if resume_run_id:
             wandb_kwargs |= {"id": resume_run_id, "resume": "allow"}
-    if "mlflow" in config.report_to and accelerator.is_main_process:
-        configure_mlflow(config)
+    if "mlflow" in config.report_to and accelerator.is_main_process and not os.environ.get("MLFLOW_TRACKING_URI"):
+        import mlflow  # a local store in output_dir (SQLite: MLflow 3 refuses a new ./mlruns file store)
+
+        uri = f"sqlite:///{Path(config.output_dir).resolve() / MLFLOW_STORE}"
+        mlflow.set_tracking_uri(uri)
+        logger.info("mlflow: logging to %s; browse with `mlflow ui --backend-store-uri %s`", uri, uri)
     mlflow_tags = {tag: "true" for tag in config.run_tags} | ({"group": config.run_group} if config.run_group else {})
     init_kwargs = {
         "wandb": wandb_kwargs,
@@ -97,17 +101,6 @@ def start_tracking(accelerator, config: TrainConfig, resume_run_id: str | None =
     if "wandb" in config.report_to and accelerator.is_main_process:
         return accelerator.get_tracker("wandb", unwrap=True).id
     return resume_run_id
-
-
-def configure_mlflow(config: TrainConfig) -> None:
-    """No MLFLOW_TRACKING_URI: a local store in output_dir (SQLite: MLflow 3 refuses a new ./mlruns file store)."""
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return
-    import mlflow
-
-    uri = f"sqlite:///{Path(config.output_dir).resolve() / MLFLOW_STORE}"
-    mlflow.set_tracking_uri(uri)
-    logger.info("mlflow: logging to %s; browse with `mlflow ui --backend-store-uri %s`", uri, uri)
 
 
 def configure_wandb(config: TrainConfig) -> None:

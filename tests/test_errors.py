@@ -203,7 +203,7 @@ def test_ctrl_c_exits_cleanly(tmp_path):
 
 
 def test_broken_accelerate_config(tmp_path, capsys):
-    """scripts/launch.py's config check, in this process as its main() calls it before anything else (a whole
+    """scripts/launch.py's config check, in this process as the script calls it before anything else (a whole
     `python scripts/launch.py` refusing a config, with nothing more on stderr: the next test)."""
     from scripts.launch import exit_if_unusable
 

@@ -14,7 +14,7 @@ import inspect
 from jsonargparse import ArgumentParser
 
 from src.errors import UsageError, one_line
-from src.features import feature_tasks
+from src.features import feature_tasks, installed
 from src.tasks.base import Task, task_errors  # noqa: F401  (task_errors: part of the contract train.py uses)
 
 BUILT_IN = {"digits": "src.tasks.digits.Digits", **feature_tasks()}
@@ -70,6 +70,13 @@ def build_task(config) -> Task:
     if cls.loss_reduction not in ("mean", "sum"):
         raise UsageError(f"{cls.__name__}.loss_reduction must be 'mean' or 'sum' (got {cls.loss_reduction!r})")
     return cls(config, parse_task_options(cls, config.task_args))
+
+
+def starting_model(task: Task, config, accelerator):
+    """The model a run starts from, as train.py and scripts/convert_checkpoint.py build it: `--model_name_or_path`'s
+    weights or new ones, adapted by the installed features (e.g. LoRA's adapters)."""
+    model = task.load_model(config.model_name_or_path) if config.model_name_or_path else task.build_model()
+    return installed().adapt_model(model, accelerator)
 
 
 def parse_task_options(task_cls, values: dict):
