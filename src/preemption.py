@@ -2,8 +2,10 @@
 agreed on by every process; the run then exits with EXIT_PREEMPTED and the same command resumes it. A launcher that
 dies (SIGKILL, the OOM killer) takes the same path: its processes never train on unsupervised (`watch_launcher`)."""
 
+import atexit
 import contextlib
 import os
+import sys
 import signal
 import threading
 import time
@@ -27,17 +29,28 @@ def watch_launcher() -> None:
     if not _watching.is_set() and "TORCHELASTIC_RUN_ID" in os.environ and "WORLD_SIZE" in os.environ:
         _watching.set()
         threading.Thread(target=watch, args=(os.getppid(),), name="launcher-watch", daemon=True).start()
+        atexit.register(exit_now_if_launcher_gone)
+
+
+def exit_now_if_launcher_gone() -> None:
+    """At interpreter exit with the launcher gone (an error raised once a peer stopped, or the preemption path's exit):
+    stop now. The interpreter's teardown (a process group's, waiting on that peer) can take seconds, and once it has
+    begun, the watch thread can no longer run to end it."""
+    if _launcher_gone.is_set():
+        with contextlib.suppress(OSError):
+            sys.stdout.flush(), sys.stderr.flush()
+        os._exit(EXIT_LAUNCHER_GONE)
 
 
 def watch(launcher: int) -> None:
     while os.getppid() == launcher:
         time.sleep(POLL_S)
-    _launcher_gone.set()
     listeners = list(_launcher_listeners)
     then = f"saving a checkpoint, then stopping (at most {GRACE_S:g} s)" if listeners else "stopping"
     if is_main_process():
         with contextlib.suppress(OSError):  # the launcher's pipe may be gone with it
             say(f"the launcher (pid {launcher}) exited: {then}")
+    _launcher_gone.set()  # said first: from here on, an exit is immediate (exit_now_if_launcher_gone)
     for listener in listeners:
         listener()
     if listeners:

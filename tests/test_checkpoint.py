@@ -156,7 +156,8 @@ def test_a_killed_launcher_takes_its_processes_along_through_a_preemption_checkp
     """SIGKILL of `accelerate launch` (kill -9, the OOM killer): torch elastic started each rank in a session of its
     own, so nothing signals them. They find their launcher gone, save a preemption checkpoint at the next step
     boundary and exit; none is left 10 s later, and nothing (model/, eval results) is written after the checkpoint.
-    When the ranks can't agree (rank 1 hangs, rank 0 then waits in a collective), the deadline ends both, unsaved.
+    When the ranks can't agree (rank 1 hangs, rank 0 then waits in a collective), the deadline ends rank 1, and rank 0
+    at once, through the error that raises (no slow teardown), both unsaved.
     Real processes: the launcher is `accelerate launch` and its ranks are its children."""
     out, pids = tmp_path / "run", tmp_path / "pids"
     pids.mkdir()
@@ -164,6 +165,10 @@ def test_a_killed_launcher_takes_its_processes_along_through_a_preemption_checkp
     kill_launcher = "if step == 4 and os.environ['RANK'] == '0': os.kill(os.getppid(), signal.SIGKILL)"
     if rank_1 == "hangs":
         kill_launcher += "\n    if step == 4 and os.environ['RANK'] == '1': __import__('time').sleep(600)"
+        # rank 0 ends through the error rank 1's exit raises in its collective, with its own deadline far off and a
+        # slow interpreter teardown (a process group's, under load): it must not wait for that teardown
+        record += "\nif os.environ['RANK'] == '0': src.preemption.GRACE_S = 600; atexit.register(time.sleep, 600)"
+        record = "import atexit, time, src.preemption\n" + record
     script = tmp_path / "wrapped_train.py"
     script.write_text(WRAPPER.format(repo=str(REPO), hook=kill_launcher, extra=record))
     command = [part if part != "train.py" else str(script) for part in launch_command(2)]
