@@ -6,7 +6,8 @@ Both sides fine-tune the same BERT-tiny-shaped classifier (2 layers, hidden 128,
 from a config with the tokenizer of scripts/make_tiny_model.py, which this runs if data/tiny/bert is missing) on
 the same texts (scripts/make_text_data.py), with the same batch, AdamW, linear schedule with warmup, clipping and
 `--dropout 0`: `template` is `train.main` with `--task text_classification`, `trainer` is `Trainer.train` with the
-same tokenizer, `DataCollatorWithPadding` and `TrainingArguments`. Each run is a fresh process, the sides
+same tokenizer, `DataCollatorWithPadding` and `TrainingArguments`, dropping an epoch's short last batch as the
+template does, so both sides train on the same padded batches at every step. Each run is a fresh process, the sides
 alternating, so each round's ratio cancels the machine's drift. Samples/s is timed as scripts/benchmark.py does, at
 every optimiser step over the steps after the first quarter (both sides step a `LambdaLR` once per optimiser step).
 """
@@ -130,6 +131,7 @@ def run_trainer(args) -> dict:
             lr_scheduler_type="linear",
             warmup_steps=WARMUP_STEPS,
             max_grad_norm=1.0,
+            dataloader_drop_last=True,  # as the template: no short batch at an epoch's end shifting every later one
             logging_steps=50,
             save_strategy="no",
             eval_strategy="no",
