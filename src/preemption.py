@@ -5,8 +5,8 @@ dies (SIGKILL, the OOM killer) takes the same path: its processes never train on
 import atexit
 import contextlib
 import os
-import sys
 import signal
+import sys
 import threading
 import time
 
