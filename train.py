@@ -28,16 +28,26 @@ from accelerate.utils import find_executable_batch_size, set_seed
 from torch import nn
 from torch.utils.data import DataLoader
 
-from src import batches, checkpoint, distributed, errors, features, final_model, loaders, run_dir, tasks, tracking
+from src import (
+    batches,
+    checkpoint,
+    distributed,
+    errors,
+    features,
+    final_model,
+    loaders,
+    meters,
+    optim,
+    run_dir,
+    strategy,
+    tasks,
+    tracking,
+)
 from src.best import BestEvaluation
-from src.checkpoint import TrainerState
 from src.cli import parse_config
 from src.config import TrainConfig
-from src.meters import TrainMeters
 from src.metrics import Metric, load_metrics
-from src.optim import build_optimizer, build_scheduler
 from src.preemption import PreemptionSignals
-from src.strategy import prepare_needs_optimizer, strategy_of
 
 logger = logging.getLogger("train")
 
@@ -97,8 +107,8 @@ def set_up(config: TrainConfig, training: bool) -> Setup:
         distributed.enable_gradient_checkpointing(model)
     metric = load_metrics(task.metrics if config.metrics is None else config.metrics)
     # eval-only under FSDP2 or ZeRO-1/2 still hands prepare an optimizer (never stepped): Accelerate needs one there
-    needs_optimizer = training or prepare_needs_optimizer(accelerator)
-    optimizer = build_optimizer(model, config, fused=pin_memory) if needs_optimizer else None
+    needs_optimizer = training or strategy.prepare_needs_optimizer(accelerator)
+    optimizer = optim.build_optimizer(model, config, fused=pin_memory) if needs_optimizer else None
     model, optimizer, train_loader, eval_loader, test_loader, predict_loader = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, test_loader, predict_loader
     )
@@ -121,14 +131,16 @@ def train(config: TrainConfig) -> dict:
     # --- how long: counted in optimiser steps, each seeing the same global batch on any process count ---
     steps_per_epoch = batches.steps_per_epoch(run.train_loader, accumulation)  # None: a stream has no length
     total_steps = config.max_steps if config.max_steps > 0 else math.ceil(config.num_train_epochs * steps_per_epoch)
-    lr_scheduler = build_scheduler(run.optimizer, config, total_steps)  # stepped once per optimiser step
+    lr_scheduler = optim.build_scheduler(run.optimizer, config, total_steps)  # stepped once per optimiser step
     accelerator.register_for_checkpointing(lr_scheduler)
     position = batches.DataPosition()  # where training is in its data: a stream's is in every checkpoint
     if steps_per_epoch is None:
         accelerator.register_for_checkpointing(position)
 
     # --- resume: weights, optimiser, scheduler and RNG from the checkpoint ---
-    state = TrainerState(global_batch=batch, world_size=accelerator.num_processes, strategy=strategy_of(model))
+    state = checkpoint.TrainerState(
+        global_batch=batch, world_size=accelerator.num_processes, strategy=strategy.strategy_of(model)
+    )
     features.installed().before_resume(accelerator, config)  # e.g. a newer checkpoint fetched from object storage
     state, resumed = checkpoint.resume(accelerator, config, state)  # --resume_from_checkpoint: the checkpoint's state
     if steps_per_epoch:  # data of known length: the position follows from the step
@@ -142,7 +154,7 @@ def train(config: TrainConfig) -> dict:
 
     # --- train ---
     step, eval_metrics = state.step, {}  # eval_metrics: the latest evaluation's
-    meter = TrainMeters(accelerator, task, model, run.optimizer, config, state)
+    meter = meters.TrainMeters(accelerator, task, model, run.optimizer, config, state)
     best = BestEvaluation(config, state)  # a new best model is checkpointed; early stopping
     progress = tracking.progress_bar(accelerator, total_steps, initial=step)
     export = partial(final_model.export_model, accelerator, task, run.saved_model) if task.export_checkpoints else None
@@ -189,7 +201,7 @@ def train(config: TrainConfig) -> dict:
     return final_metrics
 
 
-def train_step(accelerator, task, model, optimizer, window, meter: TrainMeters, config, measure_norm: bool):
+def train_step(accelerator, task, model, optimizer, window, meter: meters.TrainMeters, config, measure_norm: bool):
     """One optimiser step over an accumulation window: forward and backward per micro-batch (gradients sync on the
     last), then clip and step. The gradient norm when `measure_norm`, else None."""
     # a loss that is a sum: scaled by its terms' count over the global batch (see summed_loss_scale)
@@ -211,7 +223,7 @@ def train_step(accelerator, task, model, optimizer, window, meter: TrainMeters, 
     return grad_norm
 
 
-def finish_training(run: Setup, config, state: TrainerState, best: BestEvaluation, metrics: dict, step):
+def finish_training(run: Setup, config, state: checkpoint.TrainerState, best: BestEvaluation, metrics: dict, step):
     """After the last step: the best model if asked, `model/`, then the test split and predictions (`finish`) and
     the Hub. `metrics`: the last evaluation's. A signal now changes nothing."""
     accelerator, task, model, output_dir = run.accelerator, run.task, run.model, Path(config.output_dir)
