@@ -37,8 +37,9 @@ def exit_now_if_launcher_gone() -> None:
     stop now. The interpreter's teardown (a process group's, waiting on that peer) can take seconds, and once it has
     begun, the watch thread can no longer run to end it."""
     if _launcher_gone.is_set():
-        with contextlib.suppress(OSError):
-            sys.stdout.flush(), sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):  # a closed pipe, a closed file
+                stream.flush()
         os._exit(EXIT_LAUNCHER_GONE)
 
 
