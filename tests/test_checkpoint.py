@@ -167,8 +167,8 @@ def test_a_killed_launcher_takes_its_processes_along_through_a_preemption_checkp
         kill_launcher += "\n    if step == 4 and os.environ['RANK'] == '1': __import__('time').sleep(600)"
         # rank 0 ends through the error rank 1's exit raises in its collective, with its own deadline far off and a
         # slow interpreter teardown (a process group's, under load): it must not wait for that teardown
+        record += "\nimport atexit, time, src.preemption"
         record += "\nif os.environ['RANK'] == '0': src.preemption.GRACE_S = 600; atexit.register(time.sleep, 600)"
-        record = "import atexit, time, src.preemption\n" + record
     script = tmp_path / "wrapped_train.py"
     script.write_text(WRAPPER.format(repo=str(REPO), hook=kill_launcher, extra=record))
     command = [part if part != "train.py" else str(script) for part in launch_command(2)]
