@@ -13,6 +13,8 @@ import accelerate
 import torch
 from accelerate.optimizer import AcceleratedOptimizer
 
+from src.imports import hidden
+
 PLAIN_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU")  # no sharding engine or XLA graph for the wrappers to serve
 
 
@@ -45,6 +47,12 @@ class Accelerator(accelerate.Accelerator):
         if max_norm == math.inf:
             return torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None], norm_type)
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type)
+
+    def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        """Upstream's. On N processes it imports `datasets` (~50 MB, ~0.5 s) only to ask whether the loader holds a
+        datasets IterableDataset, which it can't where datasets was never imported: it stays unimported then."""
+        with hidden("datasets"):
+            return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement=None):
         prepared = super().prepare_optimizer(optimizer, device_placement=device_placement)

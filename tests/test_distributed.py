@@ -77,7 +77,7 @@ def test_two_processes_log_each_line_once(one_and_two_processes, tmp_path):
 
 
 def readme_processes_command() -> str:
-    """The README's launch line that names its own process count (`--num_processes 8`)."""
+    """The README's launch line that names its own process count (`--num_processes 4`)."""
     from scripts.readme_commands import section_commands
 
     (command,) = [c for c in section_commands("Launch on any hardware") if "--num_processes" in c]
@@ -88,7 +88,7 @@ def readme_processes_command() -> str:
 @pytest.mark.parametrize("processes", [1, 2, "README"])
 def test_eval_counts_every_sample_once(one_and_two_processes, out, processes):
     """359 eval images (a prime): uneven shards on any process count, still each sample counted once. 1 and 2
-    processes: the runs above (evaluated twice each); more: the README's `--num_processes 8` command, run here as
+    processes: the runs above (evaluated twice each); more: the README's `--num_processes 4` command, run here as
     written (tests/test_readme.py leaves it to this test) and checked as test_readme.py checks a launch line."""
     if processes in one_and_two_processes:
         rows = one_and_two_processes[processes][1]

@@ -391,14 +391,14 @@ def test_language_model_labels_ignore_padding_not_the_end_of_text_token():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("packing, processes", [("true", (2, 1, 3)), ("false", (1, 1))])
+@pytest.mark.parametrize("packing, processes", [("true", (2, 1)), ("false", (1, 1))])
 def test_predictions_after_training_are_predict_only_s_with_the_input_ids(assets, tmp_path, packing, processes):
     """--do_predict in a training run generates from the test split's prompts, one row per input row with its id,
     exactly as --do_train false does from the saved model, on any process count; packed or not. 7 prompts (a prime:
-    uneven shards), greedy continuations of one model the same on 1, 2 and 3 processes; a prompt longer than the
-    context (its end is kept) generates too. The prompts and the generation don't read --packing (it only shapes
-    what is trained), so the unpacked model predicts alone on 1 process: on 2 and 3 it would run the packed one's
-    code."""
+    uneven shards), greedy continuations of one model the same on 2 processes and 1 (tests/test_predict.py: the
+    byte model on 1 and 3); a prompt longer than the context (its end is kept) generates too. The prompts and the
+    generation don't read --packing (it only shapes what is trained), so the unpacked model predicts alone on 1
+    process: on 2 it would run the packed one's code."""
     prompts = tmp_path / "prompts.jsonl"
     texts = ["def", "import os", "# a comment", "return x", "class A:", "x = 1", "for i in " * 40]
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "text": text}) + "\n" for i, text in enumerate(texts)))

@@ -161,8 +161,9 @@ def test_torch_compile_trains_on_the_cpu_and_saves_plain_keys(tmp_path):
     flags = [*QUICK, "--max_steps", "4", "--logging_steps", "1", "--save_steps", "2", "--model", "linear",
              "--norm", "none"]  # fmt: skip
     cache = tmp_path / "inductor"  # empty: the run compiles for real instead of loading an earlier compilation
+    inductor = {"TORCHINDUCTOR_CACHE_DIR": str(cache), "TORCHINDUCTOR_COMPILE_THREADS": "1"}  # no pool of compilers
     compiled = run_train(*flags, "--torch_compile", "true", "--output_dir", str(tmp_path / "compiled"),
-                         env={"TORCHINDUCTOR_CACHE_DIR": str(cache)}, timeout=600)  # fmt: skip
+                         env=inductor, timeout=600)  # fmt: skip
     assert_ok(compiled)
     assert any(path.suffix == ".py" for path in cache.rglob("*")), "inductor generated no code"
     assert_ok(run_main(*flags, "--output_dir", str(tmp_path / "eager")))
