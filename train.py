@@ -108,7 +108,7 @@ def set_up(config: TrainConfig, training: bool) -> Setup:
     metric = load_metrics(task.metrics if config.metrics is None else config.metrics)
     # eval-only under FSDP2 or ZeRO-1/2 still hands prepare an optimizer (never stepped): Accelerate needs one there
     needs_optimizer = training or strategy.prepare_needs_optimizer(accelerator)
-    optimizer = optim.build_optimizer(model, config, fused=pin_memory) if needs_optimizer else None
+    optimizer = optim.build_optimizer(model, config) if needs_optimizer else None
     model, optimizer, train_loader, eval_loader, test_loader, predict_loader = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, test_loader, predict_loader
     )

@@ -175,7 +175,7 @@ def build_network(args, recipe: dict):
 
 
 def adamw_and_schedule(model, args, recipe: dict):
-    """AdamW without weight decay on 1-D parameters (biases, norms), fused on a GPU, warmup + cosine: the template's
+    """AdamW (fused) without weight decay on 1-D parameters (biases, norms), warmup + cosine: the template's
     defaults."""
     import torch
 
@@ -185,8 +185,7 @@ def adamw_and_schedule(model, args, recipe: dict):
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
     betas = (recipe["adam_beta1"], recipe["adam_beta2"])
-    fused = {"fused": True} if args.device == "cuda" else {}  # as train.py builds it on a GPU
-    optimizer = torch.optim.AdamW(groups, lr=recipe["learning_rate"], betas=betas, **fused)
+    optimizer = torch.optim.AdamW(groups, lr=recipe["learning_rate"], betas=betas, fused=True)
     schedule = lambda step: warmup_cosine(step, args.steps, recipe["warmup_steps"])  # noqa: E731
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 

@@ -46,7 +46,7 @@ def convert(source: Path, target: Path, to: str) -> None:
     config = parse_config(["--config", str(source / CONFIG_FILE)])
     task = tasks.build_task(config)
     model = tasks.starting_model(task, config, Accelerator(cpu=True))  # e.g. with LoRA's adapters, as in training
-    optimizer = optim.build_optimizer(model, config, fused=False)
+    optimizer = optim.build_optimizer(model, config)
     if sharded:  # DCP's files -> this process's whole model and optimizer
         model_state, optimizer_state = get_state_dict(model, optimizer)  # (an empty optimizer state is initialised)
         dcp.load({"model": model_state}, checkpoint_id=source / SHARDED[0], no_dist=True)

@@ -12,16 +12,16 @@ from src.config import TrainConfig
 logger = logging.getLogger(__name__)
 
 
-def build_optimizer(model: nn.Module, config: TrainConfig, fused: bool = False) -> torch.optim.Optimizer:
-    """AdamW; no weight decay on biases and normalisation weights (1-D parameters), as usual. `fused`: one kernel for
-    the whole update instead of torch's default (multi-tensor on a GPU, a loop over the parameters on the CPU); pass
-    it when the parameters will live on a GPU. The CPU keeps the default implementation and its exact numbers: the
-    fused CPU kernel is ~1.4 ms a step cheaper on the tiny BERT, but not bit-identical (docs/benchmark.md)."""
+def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW; no weight decay on biases and normalisation weights (1-D parameters), as usual. Fused, as Trainer's
+    default (`adamw_torch_fused`): one kernel for the whole update on a GPU and on the CPU, where torch's default
+    loops over the parameters (~1.3 ms a step more on a tiny BERT, docs/benchmark.md; the same update but for the
+    last bits)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     betas = (config.adam_beta1, config.adam_beta2)
-    return torch.optim.AdamW(groups, lr=config.learning_rate, betas=betas, fused=fused or None)
+    return torch.optim.AdamW(groups, lr=config.learning_rate, betas=betas, fused=True)
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, kind: str) -> float:

@@ -93,12 +93,27 @@ def test_one_scheduler_step_per_optimiser_step(out):
     assert logged == pytest.approx(expected, rel=1e-9)
 
 
-def test_fused_adamw_only_when_asked():
-    """train.py asks for the fused kernel on a GPU only: the CPU keeps torch's default AdamW and its numbers."""
-    model = DigitsCNN(norm="group")
-    assert not build_optimizer(model, TrainConfig()).defaults["fused"]
-    fused = build_optimizer(model, TrainConfig(), fused=True)
+def test_adamw_is_fused_and_updates_as_the_default_kernel_does():
+    """One fused kernel on the CPU too (Trainer's default): the update torch's default AdamW makes, to round-off."""
+    torch.manual_seed(0)
+    models = [DigitsCNN(norm="group") for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    config = TrainConfig(weight_decay=0.1, learning_rate=1e-2)
+    fused = build_optimizer(models[0], config)
     assert all(group["fused"] for group in fused.param_groups)
+    params = list(models[1].parameters())
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]  # fmt: skip
+    default = torch.optim.AdamW(groups, lr=1e-2)  # torch's default on the CPU: a loop over the parameters
+    assert not default.defaults["fused"]
+    batch = torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))
+    for _ in range(5):
+        for model, optimizer in zip(models, (fused, default), strict=True):
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
+            optimizer.step()
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
 
 
 def test_a_run_shorter_than_its_warmup_is_warned_about(caplog):

@@ -79,10 +79,11 @@ def killed_and_resumed(config: str, root) -> tuple:
     """(config, output_dir, the resumed start's console): killed at step 17, then the same command again."""
     out = root / "run"
     args = [*run_args(config), "--output_dir", str(out), "--resume_from_checkpoint", "latest"]
-    killed = run_with_hook(root, args, signal_at(KILLED_AT), processes=2, config=config)
+    env = {"TORCH_EXTENSIONS_DIR": str(root / "torch_extensions")}  # where DeepSpeed would build an op
+    killed = run_with_hook(root, args, signal_at(KILLED_AT), processes=2, config=config, env=env)
     assert killed.returncode != 0
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_10", "step_15"]
-    resumed = run_with_hook(root, args, processes=2, config=config)
+    resumed = run_with_hook(root, args, processes=2, config=config, env=env)
     assert_ok(resumed)
     return config, out, resumed.stdout + resumed.stderr
 
@@ -111,6 +112,8 @@ def test_the_strategy_really_ran_on_two_processes(sharded):
     else:
         partitions = sorted(path.name for path in (checkpoint / "pytorch_model").glob("*optim_states.pt"))
         assert partitions == [f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" for rank in (0, 1)]
+        # nor did DeepSpeed compile its shared-memory all-reduce (inference only) with g++: src/features/deepspeed
+        assert not (out.parent / "torch_extensions").exists()
 
 
 def test_per_step_loss_equals_one_process_across_a_kill_and_resume(sharded, one_process):

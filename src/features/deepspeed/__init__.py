@@ -57,17 +57,16 @@ class DeepSpeed(Feature):
         from the accelerate config); on CPU processes `cpu=False` and a gloo group (cpu=True would skip DeepSpeed's)."""
         if requested_strategy() != DEEPSPEED:
             return None
-        from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
-
-        options = {"cpu": False, "deepspeed_plugin": DeepSpeedPlugin(gradient_clipping=config.max_grad_norm)}
-        if not use_cpu:
-            return options
         import deepspeed.ops
+        from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+        from deepspeed.accelerator import get_accelerator
 
-        # DeepSpeed's CPU backend compiles a shared-memory all-reduce with g++ at its first init (28 s here) that only
-        # its inference all-reduce uses; training's collectives go through the gloo group either way, so it is skipped.
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        return options | {"kwargs_handlers": [InitProcessGroupKwargs(backend="gloo")]}
+        if get_accelerator().device_name() == "cpu":
+            # DeepSpeed's CPU backend compiles a shared-memory all-reduce with g++ at its first init (28 s here) that
+            # only its inference all-reduce uses; training's collectives go through the process group: skipped.
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        options = {"cpu": False, "deepspeed_plugin": DeepSpeedPlugin(gradient_clipping=config.max_grad_norm)}
+        return options | ({"kwargs_handlers": [InitProcessGroupKwargs(backend="gloo")]} if use_cpu else {})
 
     def adapt_model(self, model, accelerator):
         """DeepSpeed bf16/fp16 keeps the weights themselves in 16 bits (no autocast), so float inputs are cast to
