@@ -19,6 +19,8 @@ GRACE_S = 5.0  # for the preemption checkpoint; a new launch on the folder is st
 _watching = threading.Event()
 _launcher_gone = threading.Event()
 _launcher_listeners: list = []  # PreemptionSignals' while a training loop runs
+_launcher: list[int] = []  # the watched launcher's pid
+_noticing = threading.Lock()
 
 
 def watch_launcher() -> None:
@@ -28,7 +30,8 @@ def watch_launcher() -> None:
     the rank exits, and races with a parent that died before the rank set it."""
     if not _watching.is_set() and "TORCHELASTIC_RUN_ID" in os.environ and "WORLD_SIZE" in os.environ:
         _watching.set()
-        threading.Thread(target=watch, args=(os.getppid(),), name="launcher-watch", daemon=True).start()
+        _launcher.append(os.getppid())
+        threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
         atexit.register(exit_now_if_launcher_gone)
 
 
@@ -43,15 +46,25 @@ def exit_now_if_launcher_gone() -> None:
         os._exit(EXIT_LAUNCHER_GONE)
 
 
-def watch(launcher: int) -> None:
-    while os.getppid() == launcher:
+def launcher_gone() -> bool:
+    """Whether the watched launcher is gone. The first to find it gone, the watch thread or the loop (a peer noticed
+    first and the ranks agreed to stop: rank 0 says why before its checkpoint), says so and sets `_launcher_gone`."""
+    if not _launcher or os.getppid() == _launcher[0]:
+        return False
+    with _noticing:
+        if not _launcher_gone.is_set():
+            then = f"saving a checkpoint, then stopping (at most {GRACE_S:g} s)" if _launcher_listeners else "stopping"
+            if is_main_process():
+                with contextlib.suppress(OSError):  # the launcher's pipe may be gone with it
+                    say(f"the launcher (pid {_launcher[0]}) exited: {then}")
+            _launcher_gone.set()  # said first: from here on, an exit is immediate (exit_now_if_launcher_gone)
+    return True
+
+
+def watch() -> None:
+    while not launcher_gone():
         time.sleep(POLL_S)
     listeners = list(_launcher_listeners)
-    then = f"saving a checkpoint, then stopping (at most {GRACE_S:g} s)" if listeners else "stopping"
-    if is_main_process():
-        with contextlib.suppress(OSError):  # the launcher's pipe may be gone with it
-            say(f"the launcher (pid {launcher}) exited: {then}")
-    _launcher_gone.set()  # said first: from here on, an exit is immediate (exit_now_if_launcher_gone)
     for listener in listeners:
         listener()
     if listeners:
@@ -95,6 +108,8 @@ class PreemptionSignals(contextlib.AbstractContextManager):
         if self.pending is not None:
             self.pending.wait()
             agreed = bool(self.flag.item() > 0)
+            if agreed:
+                launcher_gone()  # if that is why: said now, before the checkpoint, whichever rank noticed it
         self.flag = torch.tensor([float(self.received)])
         self.pending = torch.distributed.all_reduce(self.flag, group=self.group, async_op=True)
         return agreed

@@ -156,6 +156,7 @@ def test_a_killed_launcher_takes_its_processes_along_through_a_preemption_checkp
     """SIGKILL of `accelerate launch` (kill -9, the OOM killer): torch elastic started each rank in a session of its
     own, so nothing signals them. They find their launcher gone, save a preemption checkpoint at the next step
     boundary and exit; none is left 10 s later, and nothing (model/, eval results) is written after the checkpoint.
+    Rank 0 says why, also when rank 1 found the launcher gone first (here rank 0's own watch polls too slowly to).
     When the ranks can't agree (rank 1 hangs, rank 0 then waits in a collective), the deadline ends rank 1, and rank 0
     at once, through the error that raises (no slow teardown), both unsaved.
     Real processes: the launcher is `accelerate launch` and its ranks are its children."""
@@ -163,6 +164,8 @@ def test_a_killed_launcher_takes_its_processes_along_through_a_preemption_checkp
     pids.mkdir()
     record = f"open(f'{pids}/{{os.environ[\"RANK\"]}}', 'w').write(f'{{os.getpid()}} {{os.getppid()}}')"
     kill_launcher = "if step == 4 and os.environ['RANK'] == '0': os.kill(os.getppid(), signal.SIGKILL)"
+    if rank_1 == "trains":  # rank 1 finds the launcher gone first; rank 0 learns it as the ranks agree to stop
+        record += "\nimport src.preemption\nif os.environ['RANK'] == '0': src.preemption.POLL_S = 600"
     if rank_1 == "hangs":
         kill_launcher += "\n    if step == 4 and os.environ['RANK'] == '1': __import__('time').sleep(600)"
         # rank 0 ends through the error rank 1's exit raises in its collective, with its own deadline far off and a
