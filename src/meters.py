@@ -78,18 +78,8 @@ class StepTimer:
 
 # bf16 dense tensor-core peak per GPU, from the vendors' data sheets; MFU is logged only for GPUs listed here
 # (the most specific name first: "L40S" and "L40" before "L4", "H100 PCIe" and "H100 NVL" before "H100")
-PEAK_FLOPS = {
-    "H200 NVL": 835e12,
-    "H200": 989e12,
-    "H100 PCIe": 756e12,
-    "H100 NVL": 835e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "L40": 181e12,
-    "L4": 121e12,
-    "A10G": 70e12,
-}
+PEAK_FLOPS = {"H200 NVL": 835e12, "H200": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12,
+              "A100": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10G": 70e12}  # fmt: skip
 
 
 def throughput_metrics(task, accelerator):
