@@ -221,10 +221,19 @@ def gpt2_one_process(request, hf_assets):
 GPT2_STRATEGIES = [param for param in strategy_params() if param.values[0] != "deepspeed_zero2"]
 
 
+# 7 prompts (a prime: uneven shards), one longer than the context: the sharded runs also predict (generate) at the end
+PROMPTS = ["def", "import os", "# a comment", "return x", "class A:", "x = 1", "for i in " * 40]
+GENERATE = ["--do_predict", "true", "--max_new_tokens", "8"]
+
+
 @pytest.fixture(scope="module", params=GPT2_STRATEGIES)
 def gpt2_sharded(request, hf_assets, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"gpt2_{request.param}") / "run"
-    assert_ok(run_train(*padded_lm(hf_assets, 4), "--output_dir", str(out), processes=2, config=request.param))
+    root = tmp_path_factory.mktemp(f"gpt2_{request.param}")
+    out, prompts = root / "run", root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "text": text}) + "\n" for i, text in enumerate(PROMPTS)))
+    args = padded_lm(hf_assets, 4)
+    args[args.index("--data_files") + 1] = hf_assets["data"].replace("}", f", test: {prompts}}}")
+    assert_ok(run_train(*args, *GENERATE, "--output_dir", str(out), processes=2, config=request.param))
     assert_processes(out, 2)
     return request.param, out
 
@@ -240,12 +249,28 @@ def test_language_model_trains_as_one_process_does(gpt2_sharded, gpt2_one_proces
     assert list(losses) == list(range(1, 9))
     torch.testing.assert_close(torch.tensor(list(losses.values())), torch.tensor(list(expected.values())),
                                rtol=0, atol=1e-5)  # fmt: skip
-    assert rows[-1]["eval/loss"] == pytest.approx(gpt2_one_process[-1]["eval/loss"], abs=1e-5)
+    assert series(rows, "eval/loss")[8] == pytest.approx(gpt2_one_process[-1]["eval/loss"], abs=1e-5)
+
+
+def test_generation_under_sharding_is_one_process_s(gpt2_sharded, tmp_path):
+    """`generate` in the sharded run's --do_predict (FSDP2 gathers each block's shards in its forward, ZeRO-3 each
+    layer's; every process makes the same number of forward calls, or the others would wait forever): the same
+    greedy text, row for row, as one process generates from the saved model."""
+    _, out = gpt2_sharded
+    rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert [row["id"] for row in rows] == [f"p{i}" for i in range(len(PROMPTS))] and any(r["generated"] for r in rows)
+    prompts = out.parent / "prompts.jsonl"
+    alone = tmp_path / "alone"
+    assert_ok(run_main("--task", "language_modeling", "--do_train", "false", "--do_eval", "false", *GENERATE,
+                       "--model_name_or_path", str(out / "model"), "--block_size", "64",
+                       "--data_files", f"{{test: {prompts}}}", "--output_dir", str(alone)))  # fmt: skip
+    assert [json.loads(line) for line in (alone / "predictions.jsonl").read_text().splitlines()] == rows
 
 
 def test_saved_language_model_loads_with_from_pretrained_to_the_eval_loss(gpt2_sharded, hf_assets):
     _, out = gpt2_sharded
-    assert lm_eval_loss(out / "model", hf_assets["eval"]) == pytest.approx(read_metrics(out)[-1]["eval/loss"], rel=1e-5)
+    assert lm_eval_loss(out / "model", hf_assets["eval"]) == pytest.approx(series(read_metrics(out), "eval/loss")[8],
+                                                                           rel=1e-5)  # fmt: skip
 
 
 def test_every_command_of_the_page_is_run():

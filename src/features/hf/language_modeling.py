@@ -191,6 +191,9 @@ class LanguageModeling(HuggingFaceTask):
             max_new_tokens=new_tokens,
             do_sample=False,
             pad_token_id=self.tokenizer.pad_token_id,
+            # a process whose texts all ended keeps stepping until every one's have: FSDP2 and ZeRO-3 gather weights
+            # in each forward, so the others would wait forever (transformers detects its own FSDP, not Accelerate's)
+            synced_gpus=torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1,
         )
         generated = output[:, batch["input_ids"].shape[1] :]
         return {"generated": F.pad(generated, (0, new_tokens - generated.shape[1]), value=self.tokenizer.pad_token_id)}
