@@ -16,10 +16,9 @@ from src.errors import EXIT_LAUNCHER_GONE, is_main_process, say
 
 POLL_S = 0.5
 GRACE_S = 5.0  # for the preemption checkpoint; a new launch on the folder is still importing torch by then
-_watching = threading.Event()
 _launcher_gone = threading.Event()
 _launcher_listeners: list = []  # PreemptionSignals' while a training loop runs
-_launcher: list[int] = []  # the watched launcher's pid
+_launcher: list[int] = []  # the watched launcher's pid, once watch_launcher has started watching
 _noticing = threading.Lock()
 
 
@@ -28,8 +27,7 @@ def watch_launcher() -> None:
     along), once: a thread that stops the rank within seconds of its parent, the launcher's agent, changing
     (docs/resume.md). Polling, not prctl(PR_SET_PDEATHSIG): that is Linux-only, fires when the *thread* that forked
     the rank exits, and races with a parent that died before the rank set it."""
-    if not _watching.is_set() and "TORCHELASTIC_RUN_ID" in os.environ and "WORLD_SIZE" in os.environ:
-        _watching.set()
+    if not _launcher and "TORCHELASTIC_RUN_ID" in os.environ and "WORLD_SIZE" in os.environ:
         _launcher.append(os.getppid())
         threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
         atexit.register(exit_now_if_launcher_gone)

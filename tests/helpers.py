@@ -6,6 +6,7 @@ then takes nothing from the tests that stay (tests/test_layout.py checks it).
 
 import ast
 import importlib.util
+import json
 import re
 import shlex
 import shutil
@@ -219,6 +220,27 @@ def language_modeling(assets, *args) -> list[str]:
     return ["--task", "language_modeling", "--model_name_or_path", assets["gpt2"], "--data_files", assets["data"],
             "--dropout", "0", "--learning_rate", "1e-3", "--logging_steps", "1", "--eval_steps", "1000",
             "--packing", "false", "--block_size", "64", *args]  # fmt: skip
+
+
+# 7 prompts (a prime: uneven shards on 2 and 3 processes), the last longer than the model's context (its end is kept)
+PROMPTS = ["def", "import os", "# a comment", "return x", "class A:", "x = 1", "for i in " * 40]
+
+
+def write_prompts(path: Path) -> Path:
+    """PROMPTS as a JSON Lines file with ids p0, p1, ...: a language model's test split."""
+    path.write_text("".join(json.dumps({"id": f"p{i}", "text": text}) + "\n" for i, text in enumerate(PROMPTS)))
+    return path
+
+
+def predict_only(model_dir, prompts, output_dir) -> list[str]:
+    """--do_train false: the language model at `model_dir` generates 8 tokens after each of the `prompts`."""
+    return ["--task", "language_modeling", "--do_train", "false", "--do_eval", "false", "--do_predict", "true",
+            "--model_name_or_path", str(model_dir), "--block_size", "64", "--max_new_tokens", "8",
+            "--data_files", f"{{test: {prompts}}}", "--output_dir", str(output_dir)]  # fmt: skip
+
+
+def predictions(output_dir) -> list[dict]:
+    return [json.loads(line) for line in (Path(output_dir) / "predictions.jsonl").read_text().splitlines()]
 
 
 def losses(output_dir) -> torch.Tensor:

@@ -29,6 +29,7 @@ from tests.conftest import (
     signal_at,
 )
 from tests.helpers import (
+    PROMPTS,
     as_written,
     assert_bash_blocks_run,
     assert_same_training,
@@ -39,6 +40,9 @@ from tests.helpers import (
     losses,
     padded_lm,
     padded_lm_one_process,
+    predict_only,
+    predictions,
+    write_prompts,
 )
 
 pytest.importorskip("transformers")
@@ -399,9 +403,7 @@ def test_predictions_after_training_are_predict_only_s_with_the_input_ids(assets
     byte model on 1 and 3); a prompt longer than the context (its end is kept) generates too. The prompts and the
     generation don't read --packing (it only shapes what is trained), so the unpacked model predicts alone on 1
     process: on 2 it would run the packed one's code."""
-    prompts = tmp_path / "prompts.jsonl"
-    texts = ["def", "import os", "# a comment", "return x", "class A:", "x = 1", "for i in " * 40]
-    prompts.write_text("".join(json.dumps({"id": f"p{i}", "text": text}) + "\n" for i, text in enumerate(texts)))
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
     train_file, eval_file = (Path(assets["eval"]).with_name(f"{split}.jsonl") for split in ("train", "eval"))
     data = f"{{train: {train_file}, eval: {eval_file}, test: {prompts}}}"
     trained, *predicting = processes
@@ -410,16 +412,13 @@ def test_predictions_after_training_are_predict_only_s_with_the_input_ids(assets
                              "--per_device_train_batch_size", "4", "--max_new_tokens", "8")  # fmt: skip
     args[args.index("--data_files") + 1] = data
     assert_ok(run_on(trained, *args, "--do_predict", "true", "--output_dir", str(out)))
-    rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
-    assert [row["id"] for row in rows] == [f"p{i}" for i in range(len(texts))]
+    rows = predictions(out)
+    assert [row["id"] for row in rows] == [f"p{i}" for i in range(len(PROMPTS))]
     assert all(isinstance(row["generated"], str) for row in rows) and any(row["generated"] for row in rows)
     for count in predicting:
         alone = tmp_path / f"predict{count}"
-        assert_ok(run_on(count, "--task", "language_modeling", "--do_train", "false", "--do_eval", "false",
-                         "--do_predict", "true", "--model_name_or_path", str(out / "model"), "--block_size", "64",
-                         "--max_new_tokens", "8", "--data_files", f"{{test: {prompts}}}",
-                         "--output_dir", str(alone)))  # fmt: skip
-        assert [json.loads(line) for line in (alone / "predictions.jsonl").read_text().splitlines()] == rows
+        assert_ok(run_on(count, *predict_only(out / "model", prompts, alone)))
+        assert predictions(alone) == rows
 
 
 @pytest.mark.parametrize(

@@ -30,13 +30,17 @@ from tests.conftest import (
     signal_at,
 )
 from tests.helpers import (
+    PROMPTS,
     STRATEGIES,
     assert_bash_blocks_run,
     lm_eval_loss,
     padded_lm,
     padded_lm_one_process,
+    predict_only,
+    predictions,
     readme_command,
     strategy_params,
+    write_prompts,
 )
 
 # float32 (the shipped configs say bf16) so that the losses compare with one process's to 1e-5. The "best" model is
@@ -221,19 +225,14 @@ def gpt2_one_process(request, hf_assets):
 GPT2_STRATEGIES = [param for param in strategy_params() if param.values[0] != "deepspeed_zero2"]
 
 
-# 7 prompts (a prime: uneven shards), one longer than the context: the sharded runs also predict (generate) at the end
-PROMPTS = ["def", "import os", "# a comment", "return x", "class A:", "x = 1", "for i in " * 40]
-GENERATE = ["--do_predict", "true", "--max_new_tokens", "8"]
-
-
 @pytest.fixture(scope="module", params=GPT2_STRATEGIES)
 def gpt2_sharded(request, hf_assets, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"gpt2_{request.param}")
-    out, prompts = root / "run", root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"p{i}", "text": text}) + "\n" for i, text in enumerate(PROMPTS)))
+    out, prompts = root / "run", write_prompts(root / "prompts.jsonl")  # the sharded runs also predict (generate)
     args = padded_lm(hf_assets, 4)
     args[args.index("--data_files") + 1] = hf_assets["data"].replace("}", f", test: {prompts}}}")
-    assert_ok(run_train(*args, *GENERATE, "--output_dir", str(out), processes=2, config=request.param))
+    generate = ["--do_predict", "true", "--max_new_tokens", "8"]
+    assert_ok(run_train(*args, *generate, "--output_dir", str(out), processes=2, config=request.param))
     assert_processes(out, 2)
     return request.param, out
 
@@ -257,14 +256,10 @@ def test_generation_under_sharding_is_one_process_s(gpt2_sharded, tmp_path):
     layer's; every process makes the same number of forward calls, or the others would wait forever): the same
     greedy text, row for row, as one process generates from the saved model."""
     _, out = gpt2_sharded
-    rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    rows = predictions(out)
     assert [row["id"] for row in rows] == [f"p{i}" for i in range(len(PROMPTS))] and any(r["generated"] for r in rows)
-    prompts = out.parent / "prompts.jsonl"
-    alone = tmp_path / "alone"
-    assert_ok(run_main("--task", "language_modeling", "--do_train", "false", "--do_eval", "false", *GENERATE,
-                       "--model_name_or_path", str(out / "model"), "--block_size", "64",
-                       "--data_files", f"{{test: {prompts}}}", "--output_dir", str(alone)))  # fmt: skip
-    assert [json.loads(line) for line in (alone / "predictions.jsonl").read_text().splitlines()] == rows
+    assert_ok(run_main(*predict_only(out / "model", out.parent / "prompts.jsonl", tmp_path / "alone")))
+    assert predictions(tmp_path / "alone") == rows
 
 
 def test_saved_language_model_loads_with_from_pretrained_to_the_eval_loss(gpt2_sharded, hf_assets):
