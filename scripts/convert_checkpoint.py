@@ -1,12 +1,14 @@
-"""Convert a checkpoint between a whole model (one process or DDP) and FSDP2's shards, so that a run continues under
-the other strategy with the same weights, optimiser state, schedule, RNG and data position (docs/sharded.md).
+"""Convert a checkpoint between a whole model (one process or DDP) and FSDP2's shards, or from DeepSpeed ZeRO-2/3's
+partitions to a whole model, so that a run continues under the other strategy (or on another number of processes)
+with the same weights, optimiser state, schedule, RNG and data position (docs/sharded.md).
 
     python scripts/convert_checkpoint.py runs/digits/checkpoints/step_10 runs/sharded/checkpoints/step_10 --to FSDP2
     python scripts/convert_checkpoint.py runs/sharded/checkpoints/step_10 runs/whole/checkpoints/step_10 --to DDP
 
 One process does it: the run's model and optimiser are built from the checkpoint's config.yaml, as train.py builds
 them, and torch.distributed.checkpoint (DCP) moves their state between the two layouts; FSDP2 reshards DCP's files
-onto any number of processes as it loads them. The rest of the checkpoint (schedule, RNG, data position) is copied.
+onto any number of processes as it loads them. A ZeRO checkpoint is read by DeepSpeed's own consolidation
+(src/features/deepspeed/convert.py). The rest of the checkpoint (schedule, RNG, data position) is copied.
 """
 
 import argparse
@@ -16,11 +18,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from src.errors import UsageError, command_line  # noqa: E402
+from src.checkpoint import CONVERTS  # noqa: E402
+from src.errors import UsageError, command_line, one_line  # noqa: E402
 from src.run_dir import CONFIG_FILE, STATE_FILE, TMP_PREFIX  # noqa: E402
 
 WHOLE = ("model.safetensors", "optimizer.bin")  # what Accelerate's save_state writes for one process or DDP
 SHARDED = ("pytorch_model_fsdp_0", "optimizer_0")  # ... and under FSDP2 (DCP folders)
+ZERO = ("pytorch_model", "latest", "zero_to_*.py")  # ... and under DeepSpeed (its folder, tag file and scripts)
 
 
 def convert(source: Path, target: Path, to: str) -> None:
@@ -30,9 +34,10 @@ def convert(source: Path, target: Path, to: str) -> None:
         raise UsageError(f"{target} exists; name a new folder for the converted checkpoint")
     state = json.loads((source / STATE_FILE).read_text())
     strategy, sharded = state.get("strategy"), to == "DDP"  # sharded: the source
-    if strategy not in (("FSDP2",) if sharded else ("DDP", "single process")):
-        needs = "FSDP2's" if sharded else "a whole model's (one process or DDP)"
+    if strategy not in CONVERTS[to]:
+        needs = "FSDP2's and DeepSpeed ZeRO-2/3's" if sharded else "a whole model's (one process or DDP)"
         raise UsageError(f"{source} was saved by {strategy}; --to {to} converts {needs} checkpoints only")
+    zero = zero_loader(source, strategy) if strategy.startswith("DeepSpeed") else None
 
     import safetensors.torch
     import torch
@@ -47,7 +52,14 @@ def convert(source: Path, target: Path, to: str) -> None:
     task = tasks.build_task(config)
     model = tasks.starting_model(task, config, Accelerator(cpu=True))  # e.g. with LoRA's adapters, as in training
     optimizer = optim.build_optimizer(model, config)
-    if sharded:  # DCP's files -> this process's whole model and optimizer
+    if zero:  # DeepSpeed's partitions -> this process's whole model and optimizer
+        try:
+            zero(source, model, optimizer)
+        except Exception as err:  # DeepSpeed asserts, and raises its own kinds, on partitions it can't read
+            raise UsageError(
+                f"{source}: its partitions do not fit this model/optimiser or are damaged: {one_line(err)[:300]}"
+            ) from err
+    elif sharded:  # DCP's files -> this process's whole model and optimizer
         model_state, optimizer_state = get_state_dict(model, optimizer)  # (an empty optimizer state is initialised)
         dcp.load({"model": model_state}, checkpoint_id=source / SHARDED[0], no_dist=True)
         dcp.load({"optimizer": optimizer_state}, checkpoint_id=source / SHARDED[1], no_dist=True)
@@ -58,7 +70,7 @@ def convert(source: Path, target: Path, to: str) -> None:
     # written as save_checkpoint writes one: under TMP_PREFIX (which a run clears), the trainer state last
     partial = target.with_name(TMP_PREFIX + target.name)
     shutil.rmtree(partial, ignore_errors=True)
-    shutil.copytree(source, partial, ignore=shutil.ignore_patterns(*WHOLE, *SHARDED, STATE_FILE))
+    shutil.copytree(source, partial, ignore=shutil.ignore_patterns(*WHOLE, *SHARDED, *ZERO, STATE_FILE))
     if sharded:
         safetensors.torch.save_file(model.state_dict(), partial / WHOLE[0], metadata={"format": "pt"})
         torch.save(optimizer.state_dict(), partial / WHOLE[1])
@@ -69,6 +81,21 @@ def convert(source: Path, target: Path, to: str) -> None:
     (partial / STATE_FILE).write_text(json.dumps({**state, "strategy": to}, indent=2) + "\n")
     partial.rename(target)  # whole or not at all
     print(f"{target}: the checkpoint for {to}; resume with --resume_from_checkpoint {target}")
+
+
+def zero_loader(source: Path, strategy: str):
+    """The deepspeed feature's reader of ZeRO partitions, reached only for a DeepSpeed checkpoint (the core imports
+    no feature)."""
+    if not (source / ZERO[0]).is_dir():
+        raise UsageError(f"{source} has no {ZERO[0]}/ (DeepSpeed's partitions); convert a complete ZeRO checkpoint")
+    try:
+        from src.features.deepspeed.convert import load_zero_checkpoint
+    except ImportError as err:  # the feature deleted, or deepspeed not installed
+        raise UsageError(
+            f"{source} was saved by {strategy}; converting it needs the deepspeed feature (src/features/deepspeed/) "
+            f"and `pip install deepspeed` ({err})"
+        ) from err
+    return load_zero_checkpoint
 
 
 if __name__ == "__main__":

@@ -40,7 +40,8 @@ def resume(accelerator, config: TrainConfig, fresh: TrainerState) -> tuple[Train
     """`--resume_from_checkpoint latest | <path>`: (its state, True) once it is loaded on every process, or (`fresh`,
     False). Refused: another global batch than `fresh`'s, or a strategy that can't read it. A whole model (one process,
     DDP), and FSDP2's shards under FSDP2 (torch.distributed.checkpoint reshards them), resume on any process count;
-    DeepSpeed's ZeRO partitions (a file set per process) under that stage on as many processes as wrote them."""
+    DeepSpeed's ZeRO partitions (a file set per process) under that stage on as many processes as wrote them; both
+    sharded kinds convert to a whole model (`CONVERTS`)."""
     if not config.resume_from_checkpoint:
         return fresh, False
     path = Path(config.resume_from_checkpoint)
@@ -70,20 +71,28 @@ def resume(accelerator, config: TrainConfig, fresh: TrainerState) -> tuple[Train
     except Exception as err:  # torch, safetensors and pickle each raise their own kinds for a bad file
         message = one_line(err)[:300]
         raise UsageError(f"checkpoint {path} does not fit this model/optimiser or is damaged: {message}") from err
+    # Accelerate restores its count of micro-batches, by which `accumulate` knows a window's end; a checkpoint is
+    # taken at one, and on another number of processes its count (saved: steps x micro-batches a process) is not.
+    accelerator.step = 0
     logger.info("resuming from %s at step %d", path, state.step)
     return replace(state, world_size=fresh.world_size, strategy=fresh.strategy), True  # this run's, from now
 
 
+# What scripts/convert_checkpoint.py --to <key> converts from: the sharded strategies into a whole model (DDP: one
+# process or N), and a whole model into FSDP2.
+CONVERTS = {"DDP": ("FSDP2", "DeepSpeed ZeRO-2", "DeepSpeed ZeRO-3"), "FSDP2": ("DDP", "single process")}
+
+
 def check_sharding(path: Path, saved: TrainerState, fresh: TrainerState) -> None:
     """Refuse a checkpoint this run's strategy can't read (the rule: `resume`'s docstring), naming the conversion
-    between a whole model and FSDP2 (scripts/convert_checkpoint.py) where it applies."""
+    (scripts/convert_checkpoint.py, `CONVERTS`) where one makes it readable."""
     resharded, pair, whole = saved.strategy == "FSDP2", {saved.strategy, fresh.strategy}, {"single process", "DDP"}
     same_sharding = saved.strategy == fresh.strategy and (resharded or saved.world_size == fresh.world_size)
     if same_sharding or pair <= whole or saved.strategy is None:  # None: saved before strategies were recorded
         return
     where = "on any number of processes" if resharded else f"and --num_processes {saved.world_size}"
-    if len(pair) == 2 and pair - whole == {"FSDP2"}:
-        to = "DDP" if resharded else "FSDP2"
+    to = "DDP" if fresh.strategy in whole else fresh.strategy
+    if saved.strategy in CONVERTS.get(to, ()):
         where += f", or convert it: python scripts/convert_checkpoint.py {path} NEW_FOLDER --to {to}"
     raise UsageError(
         f"checkpoint {path} was saved by {saved.strategy} on {saved.world_size} processes and this run is "

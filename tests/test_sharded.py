@@ -2,20 +2,22 @@
 shipped accelerate configs, each proven against one process. Per strategy, on 2 processes: the strategy really ran
 (read off the prepared model, and the checkpoint holds one shard per process), the per-step loss equals one
 process's across a SIGKILL and resume, the best model is loaded at the end and model/ reloads to its eval metric
-under the same strategy, each process holds about half
-of the parameters (FSDP2, ZeRO-3) and of the optimiser state, and a sharded checkpoint is refused on another
-process count. Then the tiny GPT-2 with padded batches and accumulation: FSDP2 wraps each block, and FSDP2 and
-ZeRO-3 train as one process does and save a model that from_pretrained loads to the run's eval loss (ZeRO-2 runs the
-same code there; tests/test_adapters.py trains this model under ZeRO-2 too)."""
+under the same strategy, each process holds about half of the parameters (FSDP2, ZeRO-3) and of the optimiser
+state, a sharded checkpoint is refused on another process count, and converted to a whole model it continues on one
+process as one process trained. Then the tiny GPT-2 with padded batches and accumulation: FSDP2 wraps each block,
+and FSDP2 and ZeRO-3 train as one process does and save a model that from_pretrained loads to the run's eval loss
+(ZeRO-2 runs the same code there; tests/test_adapters.py trains this model under ZeRO-2 too)."""
 
 import json
 import runpy
+import shlex
 import shutil
 import sys
 
 import pytest
 import torch
 
+from scripts.readme_commands import section_commands
 from tests.conftest import (
     REPO,
     assert_ok,
@@ -182,9 +184,8 @@ def test_a_sharded_checkpoint_resumes_only_under_its_own_strategy(sharded, tmp_p
                       "--resume_from_checkpoint", "latest")  # fmt: skip
     assert result.returncode == 2
     where = "on any number of processes" if config == "fsdp" else "and --num_processes 2"  # DCP reshards
-    if config == "fsdp":  # and a whole model converts to FSDP2 and back (test_a_checkpoint_converts_...)
-        step_30 = other / "checkpoints" / "step_30"
-        where += f", or convert it: python scripts/convert_checkpoint.py {step_30} NEW_FOLDER --to DDP"
+    step_30 = other / "checkpoints" / "step_30"  # each converts to a whole model (test_a_..._converts_to_a_whole...)
+    where += f", or convert it: python scripts/convert_checkpoint.py {step_30} NEW_FOLDER --to DDP"
     assert result.stderr.strip().splitlines()[-1] == (
         f"error: checkpoint {other}/checkpoints/step_30 was saved by {STRATEGIES[config]} on 2 processes and this run "
         f"is single process on 1; resume it with the accelerate config it was trained with {where}"
@@ -195,8 +196,6 @@ def test_a_sharded_checkpoint_resumes_only_under_its_own_strategy(sharded, tmp_p
 def test_the_readme_launch_command_of_each_strategy_is_the_one_run_here():
     """The README's `accelerate launch --config_file accelerate_configs/<strategy>.yaml train.py` is what these tests
     launch (with a free port, and 2 processes as the config says), so tests/test_readme.py does not run it again."""
-    from scripts.readme_commands import section_commands
-
     commands = section_commands("Launch on any hardware")
     for config in STRATEGIES:
         assert readme_command(config) in commands
@@ -222,7 +221,7 @@ def gpt2_one_process(request, hf_assets):
 # (src/ branches on the stage only for eval-only, prepare_needs_optimizer, which the digits runs above check under
 # each strategy). ZeRO-2 keeps its 1-vs-2 proofs: the digits run above, and the tiny GPT-2 with padded batches and
 # accumulation 2 in tests/test_adapters.py (its LoRA run under ZeRO-2 trains as DDP and 1 process do).
-GPT2_STRATEGIES = [param for param in strategy_params() if param.values[0] != "deepspeed_zero2"]
+GPT2_STRATEGIES = strategy_params(without=("deepspeed_zero2",))
 
 
 @pytest.fixture(scope="module", params=GPT2_STRATEGIES)
@@ -277,32 +276,33 @@ def test_every_command_of_the_page_is_run():
 
 @pytest.mark.parametrize("processes", [1, 3])
 def test_an_fsdp2_checkpoint_continues_on_another_process_count(fsdp_run, one_process, tmp_path, processes):
-    """step_20 of the FSDP2 run above (2 processes, accumulation 3), continued by FSDP2 on 1 and on 3 (accumulation
-    6 and 2): steps 21-30 and the eval equal one uninterrupted process's, and the start says its own world size."""
+    """step_15 of the FSDP2 run above (2 processes, accumulation 3), continued by FSDP2 on 1 and on 3 (accumulation
+    6 and 2; Accelerate's restored micro-batch count, 45, is mid-window for both unless the resume resets it): steps
+    16-30 and the evals equal one uninterrupted process's, and the start says its own world size."""
     _, trained, _ = fsdp_run
     reference = read_metrics(one_process("fsdp"))
     out = tmp_path / "run"
-    for name in ("step_15", "step_20"):  # the latest, and the best model that --load_best_model_at_end loads
-        shutil.copytree(trained / "checkpoints" / name, out / "checkpoints" / name)
+    shutil.copytree(trained / "checkpoints" / "step_15", out / "checkpoints" / "step_15")  # latest and best
     command = launch_command(2, "fsdp")
     command[command.index("--num_processes") + 1] = str(processes)  # the launcher's, even for 1: FSDP2 on 1 process
     result = run_command([*command, *run_args("fsdp"), "--output_dir", str(out), "--resume_from_checkpoint", "latest"])
     assert_ok(result)
-    assert "checkpoints/step_20 at step 20" in result.stdout + result.stderr  # "resuming from ..."
+    assert "checkpoints/step_15 at step 15" in result.stdout + result.stderr  # "resuming from ..."
     rows = read_metrics(out)
     assert [(row["setup/strategy"], row["setup/world_size"]) for row in rows if "setup/strategy" in row] == [
         ("FSDP2", processes)
     ]
     losses, expected = series(rows, "train/loss"), series(reference, "train/loss")
-    assert list(losses) == list(range(21, 31))
+    assert list(losses) == list(range(16, 31))
     torch.testing.assert_close(torch.tensor(list(losses.values())), torch.tensor([expected[s] for s in losses]),
                                rtol=0, atol=1e-5)  # fmt: skip
     assert series(rows, "eval/loss")[30] == pytest.approx(series(reference, "eval/loss")[30], abs=1e-5)
 
 
-def test_convert_checkpoint_refuses_what_it_cannot_convert(tmp_path):
+def test_convert_checkpoint_refuses_what_it_cannot_convert(tmp_path, monkeypatch):
     """One line (a UsageError: exit 2 from the command line), nothing written: not a checkpoint, an output that
-    exists, a checkpoint of another kind."""
+    exists, a checkpoint of another kind, a ZeRO checkpoint without its partitions or without the deepspeed
+    feature (damaged partitions: test_a_zero_checkpoint_converts_to_a_whole_model_on_one_process)."""
     from scripts.convert_checkpoint import convert
     from src.errors import UsageError
 
@@ -316,6 +316,16 @@ def test_convert_checkpoint_refuses_what_it_cannot_convert(tmp_path):
         convert(checkpoint, taken, "FSDP2")
     with pytest.raises(UsageError, match="ZeRO-3; --to FSDP2 converts a whole model.s .one process or DDP."):
         convert(checkpoint, new, "FSDP2")
+    with pytest.raises(UsageError, match=r"step_10 has no pytorch_model/ \(DeepSpeed's partitions\); convert a comp"):
+        convert(checkpoint, new, "DDP")
+    (checkpoint / "pytorch_model").mkdir()
+    with monkeypatch.context() as patch:  # as if src/features/deepspeed/ were deleted
+        patch.setitem(sys.modules, "src.features.deepspeed.convert", None)
+        with pytest.raises(UsageError, match="ZeRO-3; converting it needs the deepspeed feature .src/features/deeps"):
+            convert(checkpoint, new, "DDP")
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"strategy": "DDP"}))
+    with pytest.raises(UsageError, match="DDP; --to DDP converts FSDP2's and DeepSpeed ZeRO-2/3's checkpoints only"):
+        convert(checkpoint, new, "DDP")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_10", "taken"]
 
 
@@ -323,28 +333,74 @@ def test_convert_checkpoint_refuses_what_it_cannot_convert(tmp_path):
 def test_a_checkpoint_converts_between_a_whole_model_and_fsdp2(fsdp_run, one_process, tmp_path, monkeypatch,
                                                                 capsys, to):  # fmt: skip
     """scripts/convert_checkpoint.py, as the refusal above names it: the FSDP2 run's checkpoints (2 processes) -> a
-    whole model, continued by one plain process; the plain run's -> FSDP2, continued on 2 processes. Steps 21-30 and
-    the eval equal the uninterrupted run's."""
-    from scripts.convert_checkpoint import convert
-
+    whole model, continued by one plain process; the plain run's -> FSDP2, continued on 2 processes. From step_15
+    (the latest and the best, mid-window in Accelerate's restored micro-batch count as above): steps 16-30 and the
+    eval equal the uninterrupted run's."""
     _, trained, _ = fsdp_run
     source = trained if to == "DDP" else one_process("fsdp")
     out = tmp_path / "run"
-    latest, best = (out / "checkpoints" / name for name in ("step_20", "step_15"))  # best: --load_best_model_at_end's
+    latest = out / "checkpoints" / "step_15"  # also the best that --load_best_model_at_end loads
     command = ["scripts/convert_checkpoint.py", str(source / "checkpoints" / latest.name), str(latest), "--to", to]
     with monkeypatch.context() as patch:  # the command as the refusal names it, its __main__ run in this process
         patch.setattr(sys, "argv", command)
         patch.chdir(REPO)
         runpy.run_path(command[0], run_name="__main__")  # a UsageError would exit 2 (SystemExit fails the test)
     assert capsys.readouterr().out.startswith(f"{latest}: the checkpoint for {to}; resume with")
-    convert(source / "checkpoints" / best.name, best, to)
     resume = [*run_args("fsdp"), "--output_dir", str(out), "--resume_from_checkpoint", "latest"]
     assert_ok(run_main(*resume) if to == "DDP" else run_train(*resume, processes=2, config="fsdp"))
     rows, reference = read_metrics(out), read_metrics(one_process("fsdp"))
     strategy = "single process" if to == "DDP" else "FSDP2"
     assert [row["setup/strategy"] for row in rows if "setup/strategy" in row] == [strategy]
     losses, expected = series(rows, "train/loss"), series(reference, "train/loss")
-    assert list(losses) == list(range(21, 31))
+    assert list(losses) == list(range(16, 31))
     torch.testing.assert_close(torch.tensor(list(losses.values())), torch.tensor([expected[s] for s in losses]),
                                rtol=0, atol=1e-5)  # fmt: skip
     assert series(rows, "eval/loss")[30] == pytest.approx(series(reference, "eval/loss")[30], abs=1e-5)
+
+
+@pytest.mark.parametrize("sharded", strategy_params(without=("fsdp",)), indirect=True)
+def test_a_zero_checkpoint_converts_to_a_whole_model_on_one_process(sharded, one_process, tmp_path, monkeypatch,
+                                                                     capsys):  # fmt: skip
+    """docs/sharded.md's commands (`scripts/convert_checkpoint.py ... --to DDP`, as the refusal above names it, then
+    `python train.py`) on step_15 of the ZeRO run of 2 processes (DeepSpeed's consolidation: the fp32 weights and
+    each parameter's AdamW state), continued by one plain process: steps 16-30 (the schedule still warming up) and
+    the evals equal the uninterrupted one process's, and the converted step 15 is the best model loaded at the end.
+    A ZeRO checkpoint missing a process's partition is refused with one line."""
+    config, trained, _ = sharded
+    source, out = trained / "checkpoints" / "step_15", tmp_path / "run"
+    target = out / "checkpoints" / "step_15"
+    conversion, resumption = (  # the page's run dirs: the sharded run's, the new one
+        shlex.split(command.replace("runs/sharded", str(trained)).replace("runs/whole", str(out)))
+        for command in section_commands("Checkpoints and resume", page="docs/sharded.md")
+    )
+    assert conversion == ["python", "scripts/convert_checkpoint.py", str(source), str(target), "--to", "DDP"]
+    with monkeypatch.context() as patch:  # its __main__ run in this process
+        patch.setattr(sys, "argv", conversion[1:])
+        patch.chdir(REPO)
+        runpy.run_path(conversion[1], run_name="__main__")  # a UsageError would exit 2 (SystemExit fails the test)
+    last = capsys.readouterr().out.splitlines()[-1]  # after DeepSpeed's warning that its accelerator is the CPU
+    assert last.startswith(f"{target}: the checkpoint for DDP; resume with")
+    assert {"model.safetensors", "optimizer.bin"} <= {p.name for p in target.iterdir()}
+    assert not {"pytorch_model", "pytorch_model_fsdp_0", "optimizer_0"} & {p.name for p in target.iterdir()}
+    assert resumption[:2] == ["python", "train.py"]
+    assert_ok(run_main(*run_args(config), *resumption[2:]))  # with the run's flags: the same training
+    rows, reference = read_metrics(out), read_metrics(one_process(config))
+    assert [row["setup/strategy"] for row in rows if "setup/strategy" in row] == ["single process"]
+    losses, expected = series(rows, "train/loss"), series(reference, "train/loss")
+    assert list(losses) == list(range(16, 31))
+    torch.testing.assert_close(torch.tensor(list(losses.values())), torch.tensor([expected[s] for s in losses]),
+                               rtol=0, atol=1e-5)  # fmt: skip
+    assert series(rows, "eval/accuracy") == {30: series(reference, "eval/accuracy")[30]}
+    assert series(rows, "eval/loss")[30] == pytest.approx(series(reference, "eval/loss")[30], abs=1e-5)
+    final = json.loads((out / "eval_results.json").read_text())  # --load_best_model_at_end: the converted step 15
+    assert rows[-1]["best_model/step"] == 15
+    assert final["eval/loss"] == pytest.approx(series(reference, "eval/loss")[15], abs=1e-5)
+    from scripts.convert_checkpoint import convert
+    from src.errors import UsageError
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(source, damaged)
+    (damaged / "pytorch_model" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(UsageError, match="damaged: its partitions do not fit this model/optimiser or are damaged: Exp"):
+        convert(damaged, tmp_path / "new", "DDP")
+    assert not (tmp_path / "new").exists()
