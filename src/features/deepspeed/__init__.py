@@ -12,6 +12,7 @@ import torch
 
 from src.errors import LaunchError, UsageError
 from src.features import Feature
+from src.imports import hidden
 from src.strategy import DEEPSPEED, requested_strategy
 
 OFFLOAD_VARIABLES = {
@@ -57,8 +58,10 @@ class DeepSpeed(Feature):
         from the accelerate config); on CPU processes `cpu=False` and a gloo group (cpu=True would skip DeepSpeed's)."""
         if requested_strategy() != DEEPSPEED:
             return None
-        import deepspeed.ops
         from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+
+        with hidden("mlflow"):  # DeepSpeed's autotuner imports it wherever it is installed (~1.5 s), for autotuning
+            import deepspeed.ops
         from deepspeed.accelerator import get_accelerator
 
         if get_accelerator().device_name() == "cpu":
