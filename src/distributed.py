@@ -83,13 +83,16 @@ def summed_loss_scale(accelerator, task, window: list) -> torch.Tensor:
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:
-    """Models opt in with a `gradient_checkpointing_enable()` method (as Hugging Face Transformers models do)."""
-    if not hasattr(model, "gradient_checkpointing_enable"):
+    """Models opt in with an `activation_checkpointing_enable()` method (Hugging Face Transformers 5: the older name
+    warns that it goes in 6) or a `gradient_checkpointing_enable()` one (older Transformers, the GPT here)."""
+    names = ("activation_checkpointing_enable", "gradient_checkpointing_enable")
+    enable = next((getattr(model, name) for name in names if hasattr(model, name)), None)
+    if enable is None:
         raise UsageError(
             f"{type(model).__name__} does not support --gradient_checkpointing "
             "(it needs a gradient_checkpointing_enable method)"
         )
-    model.gradient_checkpointing_enable()
+    enable()
 
 
 class SynchronisedBatchNorm(nn.modules.batchnorm._BatchNorm):

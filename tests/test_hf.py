@@ -366,14 +366,20 @@ def test_readme_hugging_face_commands_run_as_written(tmp_path, assets):
 
 @pytest.mark.slow
 def test_gradient_checkpointing_and_bf16_with_a_transformers_model(assets, tmp_path):
-    """transformers' own gradient_checkpointing_enable() recomputes and trains the same; bf16 autocast runs."""
+    """transformers' own activation checkpointing recomputes and trains the same, without its deprecation warning
+    (5.x renamed gradient_checkpointing_enable); bf16 autocast runs."""
+    import warnings
+
     runs = {}
     for name, flags in {"plain": [], "checkpointed": ["--gradient_checkpointing", "true"],
                         "bf16": ["--mixed_precision", "bf16"]}.items():  # fmt: skip
         out = tmp_path / name
         args = language_modeling(assets, "--max_steps", "4", "--per_device_train_batch_size", "8",
                                  "--global_batch_size", "8", "--output_dir", str(out), *flags)  # fmt: skip
-        assert_ok(run_main(*args))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert_ok(run_main(*args))
+        assert [str(w.message) for w in caught if "checkpointing" in str(w.message)] == []
         runs[name] = out
     torch.testing.assert_close(losses(runs["checkpointed"]), losses(runs["plain"]), rtol=0, atol=1e-5)
     bf16 = read_metrics(runs["bf16"])
