@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from src.checkpoint import CONVERTS  # noqa: E402
-from src.errors import UsageError, command_line, one_line  # noqa: E402
+from src.errors import UsageError, command_line  # noqa: E402
 from src.run_dir import CONFIG_FILE, STATE_FILE, TMP_PREFIX  # noqa: E402
 
 WHOLE = ("model.safetensors", "optimizer.bin")  # what Accelerate's save_state writes for one process or DDP
@@ -37,7 +37,6 @@ def convert(source: Path, target: Path, to: str) -> None:
     if strategy not in CONVERTS[to]:
         needs = "FSDP2's and DeepSpeed ZeRO-2/3's" if sharded else "a whole model's (one process or DDP)"
         raise UsageError(f"{source} was saved by {strategy}; --to {to} converts {needs} checkpoints only")
-    zero = zero_loader(source, strategy) if strategy.startswith("DeepSpeed") else None
 
     import safetensors.torch
     import torch
@@ -52,13 +51,12 @@ def convert(source: Path, target: Path, to: str) -> None:
     task = tasks.build_task(config)
     model = tasks.starting_model(task, config, Accelerator(cpu=True))  # e.g. with LoRA's adapters, as in training
     optimizer = optim.build_optimizer(model, config)
-    if zero:  # DeepSpeed's partitions -> this process's whole model and optimizer
+    if strategy.startswith("DeepSpeed"):  # ZeRO's partitions: the deepspeed feature reads them with DeepSpeed's tools
         try:
-            zero(source, model, optimizer)
-        except Exception as err:  # DeepSpeed asserts, and raises its own kinds, on partitions it can't read
-            raise UsageError(
-                f"{source}: its partitions do not fit this model/optimiser or are damaged: {one_line(err)[:300]}"
-            ) from err
+            from src.features.deepspeed.convert import load_zero_checkpoint
+        except ImportError as err:  # the feature deleted, or deepspeed not installed
+            raise UsageError(f"converting {strategy}'s checkpoints needs the deepspeed feature: {err}") from None
+        load_zero_checkpoint(source, model, optimizer)
     elif sharded:  # DCP's files -> this process's whole model and optimizer
         model_state, optimizer_state = get_state_dict(model, optimizer)  # (an empty optimizer state is initialised)
         dcp.load({"model": model_state}, checkpoint_id=source / SHARDED[0], no_dist=True)
@@ -81,21 +79,6 @@ def convert(source: Path, target: Path, to: str) -> None:
     (partial / STATE_FILE).write_text(json.dumps({**state, "strategy": to}, indent=2) + "\n")
     partial.rename(target)  # whole or not at all
     print(f"{target}: the checkpoint for {to}; resume with --resume_from_checkpoint {target}")
-
-
-def zero_loader(source: Path, strategy: str):
-    """The deepspeed feature's reader of ZeRO partitions, reached only for a DeepSpeed checkpoint (the core imports
-    no feature)."""
-    if not (source / ZERO[0]).is_dir():
-        raise UsageError(f"{source} has no {ZERO[0]}/ (DeepSpeed's partitions); convert a complete ZeRO checkpoint")
-    try:
-        from src.features.deepspeed.convert import load_zero_checkpoint
-    except ImportError as err:  # the feature deleted, or deepspeed not installed
-        raise UsageError(
-            f"{source} was saved by {strategy}; converting it needs the deepspeed feature (src/features/deepspeed/) "
-            f"and `pip install deepspeed` ({err})"
-        ) from err
-    return load_zero_checkpoint
 
 
 if __name__ == "__main__":

@@ -304,6 +304,8 @@ def test_convert_checkpoint_refuses_what_it_cannot_convert(tmp_path, monkeypatch
     exists, a checkpoint of another kind, a ZeRO checkpoint without its partitions or without the deepspeed
     feature (damaged partitions: test_a_zero_checkpoint_converts_to_a_whole_model_on_one_process)."""
     from scripts.convert_checkpoint import convert
+    from src.cli import parse_config
+    from src.config import save_config
     from src.errors import UsageError
 
     checkpoint, taken, new = tmp_path / "step_10", tmp_path / "taken", tmp_path / "new"
@@ -312,6 +314,7 @@ def test_convert_checkpoint_refuses_what_it_cannot_convert(tmp_path, monkeypatch
         convert(checkpoint, new, "FSDP2")
     checkpoint.mkdir()
     (checkpoint / "trainer_state.json").write_text(json.dumps({"strategy": "DeepSpeed ZeRO-3"}))
+    save_config(parse_config([]), checkpoint / "config.yaml")  # the default run's: its model is built first
     with pytest.raises(UsageError, match="taken exists; name a new folder for the converted checkpoint"):
         convert(checkpoint, taken, "FSDP2")
     with pytest.raises(UsageError, match="ZeRO-3; --to FSDP2 converts a whole model.s .one process or DDP."):
@@ -321,7 +324,7 @@ def test_convert_checkpoint_refuses_what_it_cannot_convert(tmp_path, monkeypatch
     (checkpoint / "pytorch_model").mkdir()
     with monkeypatch.context() as patch:  # as if src/features/deepspeed/ were deleted
         patch.setitem(sys.modules, "src.features.deepspeed.convert", None)
-        with pytest.raises(UsageError, match="ZeRO-3; converting it needs the deepspeed feature .src/features/deeps"):
+        with pytest.raises(UsageError, match="converting DeepSpeed ZeRO-3's checkpoints needs the deepspeed feature"):
             convert(checkpoint, new, "DDP")
     (checkpoint / "trainer_state.json").write_text(json.dumps({"strategy": "DDP"}))
     with pytest.raises(UsageError, match="DDP; --to DDP converts FSDP2's and DeepSpeed ZeRO-2/3's checkpoints only"):

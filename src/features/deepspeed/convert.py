@@ -17,13 +17,27 @@ from deepspeed.checkpoint import ds_to_universal
 from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, PARAM, PARAM_GROUPS
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+from src.errors import UsageError, one_line
+
 TAG = "pytorch_model"  # the folder Accelerate's save_state gives DeepSpeed's save_checkpoint (its MODEL_NAME)
 
 
 def load_zero_checkpoint(checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """The weights and the AdamW state (exp_avg, exp_avg_sq, step, and the groups' hyperparameters: lr is the
     schedule's current one) of `checkpoint`, a checkpoints/step_<N> folder saved under ZeRO-2/3 on any process
-    count, into `model` and `optimizer` as built by train.py on one process."""
+    count, into `model` and `optimizer` as built by train.py on one process. Partitions missing or not of this
+    model: one line (UsageError)."""
+    if not (checkpoint / TAG).is_dir():
+        raise UsageError(f"{checkpoint} has no {TAG}/ (DeepSpeed's partitions); convert a complete ZeRO checkpoint")
+    try:
+        read_partitions(checkpoint, model, optimizer)
+    except Exception as err:  # DeepSpeed asserts, and raises its own kinds, on partitions it can't read
+        raise UsageError(
+            f"{checkpoint}: its partitions do not fit this model/optimiser or are damaged: {one_line(err)[:300]}"
+        ) from err
+
+
+def read_partitions(checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # DeepSpeed's chatter
         model.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(checkpoint, tag=TAG))
         with tempfile.TemporaryDirectory() as scratch:  # it also writes `latest_universal` beside its output folder
