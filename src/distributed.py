@@ -10,11 +10,11 @@ from accelerate import DataLoaderConfiguration, PartialState
 from accelerate.utils import GradientAccumulationPlugin
 from torch import nn
 
+from src import strategy
 from src.accelerator import Accelerator, keep_freed_host_memory
 from src.config import TrainConfig, resolve_global_batch
 from src.errors import UsageError, let_threads_settle, one_line, say
 from src.preemption import watch_launcher
-from src.strategy import accelerator_options, check_launch, enable_fsdp_on_cpu, process_group_options
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ def has_accelerator() -> bool:
 def build_accelerator(config: TrainConfig, log_with: list | None = None):
     watch_launcher()  # a rank never outlives its launcher (src/preemption.py)
     use_cpu = not has_accelerator()
-    check_launch(use_cpu, config)
+    strategy.check_launch(use_cpu, config)
     if use_cpu:
         keep_freed_host_memory()
         processes, cores = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), usable_cores()
@@ -35,15 +35,17 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
                 f"warning: {processes} processes on {cores} CPU cores: they take turns, so this trains slower than "
                 f"{cores} processes would; launch with --num_processes {cores} (the global batch stays the same)"
             )
-    strategy_options = accelerator_options(use_cpu, config)  # cpu, and what FSDP/DeepSpeed need
-    state = PartialState(**process_group_options(strategy_options))  # forms the group; its size fixes accumulation
+    strategy_options = strategy.accelerator_options(use_cpu, config)  # cpu, and what FSDP/DeepSpeed need
+    # forms the group; its size fixes the accumulation
+    state = PartialState(**strategy.process_group_options(strategy_options))
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched != state.num_processes:
         raise UsageError(
             f"the launcher started {launched} processes but they formed a group of {state.num_processes}; "
             "launch with `accelerate launch --config_file accelerate_configs/ddp.yaml` or `torchrun`"
         )
-    accumulation = resolve_global_batch(config, state.num_processes) if config.do_train else 1
+    data_parallel = strategy.data_parallel_size(state.num_processes)  # tensor-parallel ranks share their batches
+    accumulation = resolve_global_batch(config, data_parallel) if config.do_train else 1
     if config.tf32 is not None and not use_cpu:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = config.tf32
     try:
@@ -66,7 +68,7 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
     except ValueError as err:  # e.g. fp16 without a GPU, or an accelerate config this machine can't run
         raise UsageError(f"Accelerate cannot run this setup: {one_line(err)}") from err
     if "fsdp_plugin" in strategy_options:  # FSDP on CPU processes: what Accelerate does for GPUs only
-        enable_fsdp_on_cpu(accelerator, strategy_options["fsdp_plugin"])
+        strategy.enable_fsdp_on_cpu(accelerator, strategy_options["fsdp_plugin"])
     return accelerator
 
 

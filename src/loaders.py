@@ -5,7 +5,7 @@ import logging
 
 from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
-from src import features
+from src import features, strategy
 from src.config import TrainConfig
 from src.data import has_split
 from src.errors import TaskFailed, UsageError, describe, one_line
@@ -14,8 +14,10 @@ logger = logging.getLogger(__name__)
 
 
 def global_batch(config: TrainConfig, accelerator) -> int:
-    """The samples of one optimiser step over all processes: per-device batch x processes x accumulation."""
-    return config.per_device_train_batch_size * accelerator.num_processes * accelerator.gradient_accumulation_steps
+    """The samples of one optimiser step over all processes: per-device batch x processes x accumulation (processes
+    that read different batches: tensor-parallel ranks share theirs)."""
+    processes = strategy.data_parallel_size(accelerator.num_processes)
+    return config.per_device_train_batch_size * processes * accelerator.gradient_accumulation_steps
 
 
 def build_loaders(task, config: TrainConfig, accelerator, training: bool, pin_memory: bool = False):

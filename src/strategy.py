@@ -4,7 +4,7 @@
 
 import os
 
-from accelerate import PartialState
+from accelerate import ParallelismConfig, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
 from torch import nn
 
@@ -84,6 +84,12 @@ def enable_fsdp_on_cpu(accelerator, plugin) -> None:
         )
 
 
+def data_parallel_size(num_processes: int) -> int:
+    """The processes that read different batches: an accelerate config's tensor/context-parallel ranks read the same
+    ones (Accelerate's prepared loaders: process_index // tp_size), so the global batch counts them once."""
+    return num_processes // ParallelismConfig().non_data_parallel_size
+
+
 def prepare_needs_optimizer(accelerator) -> bool:
     """Whether `prepare` refuses a model without an optimizer (eval-only): FSDP2 and ZeRO-1/2 do; ZeRO-3 does not."""
     if accelerator.distributed_type.value == DEEPSPEED:
@@ -95,6 +101,8 @@ def strategy_of(model: nn.Module) -> str:
     """Read off the prepared model, not the config: a silent fallback to DDP shows here."""
     from torch.distributed.tensor import DTensor
 
+    if (name := features.installed().strategy_of(model)) is not None:  # e.g. FSDP2+TP
+        return name
     if type(model).__name__ == "DeepSpeedEngine":  # a prepared DeepSpeed model; deepspeed is not imported otherwise
         return f"DeepSpeed ZeRO-{model.zero_optimization_stage()}"
     if any(isinstance(p, DTensor) for p in model.parameters()):
