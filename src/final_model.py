@@ -44,12 +44,6 @@ def save_labels(directory: Path, labels: list) -> None:
     (Path(directory) / LABELS_FILE).write_text(json.dumps(label_maps(labels), indent=2) + "\n")
 
 
-def saved_labels(directory: str | Path) -> list[str] | None:
-    """The class names save_labels wrote into `directory`, in id order; None where it wrote none."""
-    path = Path(directory) / LABELS_FILE
-    return list(json.loads(path.read_text())["id2label"].values()) if path.is_file() else None
-
-
 def load_weights(model, path: str):
     """The weights in a saved model folder (model.safetensors, or shards with an index) or a checkpoint, into
     `model`, returned; every parameter must be there with its shape (a different --model or size is one clear line)."""

@@ -101,12 +101,11 @@ def strategy_of(model: nn.Module) -> str:
     """Read off the prepared model, not the config: a silent fallback to DDP shows here."""
     from torch.distributed.tensor import DTensor
 
-    if (name := features.installed().strategy_of(model)) is not None:  # e.g. FSDP2+TP
-        return name
     if type(model).__name__ == "DeepSpeedEngine":  # a prepared DeepSpeed model; deepspeed is not imported otherwise
         return f"DeepSpeed ZeRO-{model.zero_optimization_stage()}"
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        return "FSDP2"
+    meshes = [p.device_mesh.mesh_dim_names or () for p in model.parameters() if isinstance(p, DTensor)]
+    if meshes:  # a "tp" dimension: the tensor_parallel feature's plan split the model over it too
+        return "FSDP2+TP" if any("tp" in names for names in meshes) else "FSDP2"
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return "DDP"
     return "single process"

@@ -45,10 +45,6 @@ class Feature:
         """The model before `accelerator.prepare`, as the feature needs it (e.g. DeepSpeed's inputs cast)."""
         return model
 
-    def strategy_of(self, model) -> str | None:
-        """The name of the strategy that prepared `model` (setup/strategy) when it is the feature's, else None."""
-        return None
-
     def before_resume(self, accelerator, config) -> None:
         """Before the run looks for a checkpoint to resume from (e.g. fetch a newer one from elsewhere)."""
 
@@ -71,8 +67,8 @@ class Feature:
 
 class Features(tuple):
     """Every installed feature, called as one: `features.on_checkpoint(...)` calls each feature's hook in turn;
-    `accelerator_options`, `strategy_of` and `train_loader` give the first answer that is not None, `adapt_model`
-    passes the model through each."""
+    `accelerator_options` and `train_loader` give the first answer that is not None, `adapt_model` passes the model
+    through each."""
 
     def check_launch(self, use_cpu: bool, config) -> None:
         for feature in self:
@@ -104,9 +100,6 @@ class Features(tuple):
 
     def accelerator_options(self, use_cpu: bool, config) -> dict | None:
         return next((o for f in self if (o := f.accelerator_options(use_cpu, config)) is not None), None)
-
-    def strategy_of(self, model) -> str | None:
-        return next((name for f in self if (name := f.strategy_of(model)) is not None), None)
 
     def train_loader(self, task, config, pin_memory: bool):
         return next((loader for f in self if (loader := f.train_loader(task, config, pin_memory)) is not None), None)

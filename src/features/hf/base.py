@@ -4,6 +4,7 @@ offline), tokenising once on the main process first, and saving the result with 
 `transformers` is optional: `pip install -r requirements/hf.txt` (`scripts/setup.sh --dev` installs it for the tests).
 """
 
+import json
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from src.features.hf.adapters import (
     save_adapter,
     save_merged,
 )
-from src.final_model import label_maps, saved_labels, saved_model_dir
+from src.final_model import LABELS_FILE, label_maps, saved_model_dir
 from src.hub import check_hub_repo
 from src.tasks.base import Task
 
@@ -190,3 +191,9 @@ def save_pretrained(accelerator, model, tokenizer, directory: Path) -> None:
     )
     if accelerator.is_main_process:
         tokenizer.save_pretrained(directory)
+
+
+def saved_labels(directory: str | Path) -> list[str] | None:
+    """The class names final_model.save_labels wrote into `directory`, in id order; None where it wrote none."""
+    path = Path(directory) / LABELS_FILE
+    return list(json.loads(path.read_text())["id2label"].values()) if path.is_file() else None

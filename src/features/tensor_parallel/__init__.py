@@ -90,13 +90,6 @@ class TensorParallel(Feature):
         gather_metrics_over_data_parallel_ranks(accelerator, config.tp_size)
         return parallelize_gpt(model, accelerator.torch_device_mesh["tp"])
 
-    def strategy_of(self, model) -> str | None:
-        """FSDP2+TP when a parameter is a DTensor over a "tp" mesh dimension (read off the prepared model)."""
-        from torch.distributed.tensor import DTensor
-
-        meshes = [p.device_mesh for p in model.parameters() if isinstance(p, DTensor)]
-        return "FSDP2+TP" if any("tp" in (mesh.mesh_dim_names or ()) for mesh in meshes) else None
-
 
 def enable_on_cpu(accelerator, config) -> None:
     """What `Accelerator.__init__` does with a parallelism config (accelerator.py: `self.state.device_mesh =
