@@ -2,7 +2,6 @@
 (`--model_name_or_path` a run, its model/ or a checkpoint)."""
 
 import contextlib
-import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,19 +28,6 @@ def export_model(accelerator, task, model, directory: Path) -> None:
     deepspeed_run = accelerator.distributed_type == DistributedType.DEEPSPEED
     with contextlib.nullcontext() if deepspeed_run else hidden("deepspeed"):
         task.save_model(accelerator, model, directory)
-
-
-LABELS_FILE = "labels.json"  # class names beside weights whose own config has none (a plain network, an adapter)
-
-
-def label_maps(labels: list) -> dict:
-    """The class names in id order -> `id2label` / `label2id`, as transformers' configs and loaders take them."""
-    id2label = {i: str(label) for i, label in enumerate(labels)}
-    return {"id2label": id2label, "label2id": {name: i for i, name in id2label.items()}}
-
-
-def save_labels(directory: Path, labels: list) -> None:
-    (Path(directory) / LABELS_FILE).write_text(json.dumps(label_maps(labels), indent=2) + "\n")
 
 
 def load_weights(model, path: str):

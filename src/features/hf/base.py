@@ -18,7 +18,7 @@ from src.features.hf.adapters import (
     save_adapter,
     save_merged,
 )
-from src.final_model import LABELS_FILE, label_maps, saved_model_dir
+from src.final_model import saved_model_dir
 from src.hub import check_hub_repo
 from src.tasks.base import Task
 
@@ -193,7 +193,20 @@ def save_pretrained(accelerator, model, tokenizer, directory: Path) -> None:
         tokenizer.save_pretrained(directory)
 
 
+LABELS_FILE = "labels.json"  # class names beside weights whose own config has none (a plain network, an adapter)
+
+
+def label_maps(labels: list) -> dict:
+    """The class names in id order -> `id2label` / `label2id`, as transformers' configs and loaders take them."""
+    id2label = {i: str(label) for i, label in enumerate(labels)}
+    return {"id2label": id2label, "label2id": {name: i for i, name in id2label.items()}}
+
+
+def save_labels(directory: Path, labels: list) -> None:
+    (Path(directory) / LABELS_FILE).write_text(json.dumps(label_maps(labels), indent=2) + "\n")
+
+
 def saved_labels(directory: str | Path) -> list[str] | None:
-    """The class names final_model.save_labels wrote into `directory`, in id order; None where it wrote none."""
+    """The class names save_labels wrote into `directory`, in id order; None where it wrote none."""
     path = Path(directory) / LABELS_FILE
     return list(json.loads(path.read_text())["id2label"].values()) if path.is_file() else None

@@ -18,8 +18,7 @@ from torch import nn
 
 from src.errors import UsageError
 from src.features.hf.adapters import AdapterOptions
-from src.features.hf.base import HuggingFaceTask, check_dropout, main_process_first
-from src.final_model import label_maps, save_labels
+from src.features.hf.base import HuggingFaceTask, check_dropout, label_maps, main_process_first, save_labels
 
 
 class TextClassification(HuggingFaceTask):

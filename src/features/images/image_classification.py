@@ -27,8 +27,8 @@ from torch.utils.data import Dataset
 
 from src.data import check_columns, load_splits, reads_local_files
 from src.errors import UsageError
-from src.features.hf.base import saved_labels
-from src.final_model import LABELS_FILE, label_maps, save_labels, saved_model_dir
+from src.features.hf.base import LABELS_FILE, label_maps, save_labels, saved_labels
+from src.final_model import saved_model_dir
 from src.models.digits_cnn import DigitsCNN
 from src.tasks.classification import ClassificationTask
 
