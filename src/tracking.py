@@ -23,14 +23,6 @@ from src.strategy import fsdp_units, strategy_of
 
 logger = logging.getLogger(__name__)
 
-# Warnings from inside the libraries that nothing in a run's config or code can change: where they are, and why.
-LIBRARY_NOISE = (
-    # DeepSpeed's ZeRO gathers and reduce-scatters with torch.distributed's old names, at every step
-    r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
-    # PEFT's gradient-checkpointing check asks transformers 5 for its old name
-    r"`is_gradient_checkpointing` is deprecated",
-)
-
 
 def setup_logging(accelerator) -> None:
     """INFO lines from the main process; other processes print errors only (no N copies of every warning)."""
@@ -38,17 +30,16 @@ def setup_logging(accelerator) -> None:
     logging.basicConfig(format="%(asctime)s %(message)s", datefmt="%H:%M:%S", level=level, force=True)
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its INFO lines repeat ours, some wrongly
     logging.getLogger("accelerate.tracking").setLevel(logging.ERROR)  # "dropped a string" for setup/device etc.
-    for name in ("botocore", "aiobotocore"):  # --output_mirror s3://: "Found credentials in ...", each client
-        logging.getLogger(name).setLevel(logging.WARNING)
-    # The one place that filters Python warnings: other processes show none; the main one never LIBRARY_NOISE, any
-    # other once per message (libraries that change the filters reset Python's once-per-line memory).
+    # The one place that filters Python warnings: other processes show none; the main one each once per message
+    # (libraries that change the filters reset Python's once-per-line memory), never DeepSpeed's ZeRO gathering and
+    # reduce-scattering with torch.distributed's old names at every step (a library's own: PEFT's is quiet_peft's).
     if not accelerator.is_main_process:
         warnings.filterwarnings("ignore")
         return
     for category in (FutureWarning, UserWarning):
         warnings.filterwarnings("once", category=category)
-    for message in LIBRARY_NOISE:
-        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+    deprecated = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+    warnings.filterwarnings("ignore", message=deprecated, category=FutureWarning)
 
 
 class JsonlTracker(GeneralTracker):

@@ -92,7 +92,7 @@ def test_sharded_adapter_trains_and_saves_as_ddp_does(lm_runs, hf_assets, tmp_pa
     out = tmp_path / "run"
     result = run_train(*lora_lm(hf_assets, 4), "--output_dir", str(out), processes=2, config=config)
     assert_ok(result)
-    assert "FutureWarning" not in result.stdout + result.stderr  # the libraries' own (src/tracking.py: LIBRARY_NOISE)
+    assert "FutureWarning" not in result.stdout + result.stderr  # the libraries' own: quiet_peft, DeepSpeed's filter
     assert_processes(out, 2)
     assert read_metrics(out)[0]["setup/strategy"] == STRATEGIES[config]
     assert_same_training({1: lm_runs[2], 2: out}, steps=8)

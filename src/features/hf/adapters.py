@@ -10,7 +10,9 @@ Under FSDP2 and DeepSpeed the adapter is gathered from every shard (`accelerator
 `peft` is optional (requirements/hf.txt) and imported only when an adapter is used.
 """
 
+import contextlib
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -70,7 +72,8 @@ def add_adapter(model, options: AdapterOptions, task_type: str):
         fan_in_fan_out=any(type(module).__name__ == "Conv1D" for module in model.modules()),
     )
     try:
-        return peft.get_peft_model(model, config)
+        with quiet_peft():
+            return peft.get_peft_model(model, config)
     except ValueError as err:  # an unknown module name, or an architecture PEFT has no default for
         raise UsageError(
             f"--peft lora on {type(model).__name__}: {one_line(err)} (set --lora_target_modules to names of its "
@@ -80,7 +83,18 @@ def add_adapter(model, options: AdapterOptions, task_type: str):
 
 def load_adapter(model, folder: str, trainable: bool):
     """The adapter saved in `folder` on `model`, its base; trained further when `trainable`."""
-    return require_peft().PeftModel.from_pretrained(model, folder, is_trainable=trainable)
+    peft = require_peft()
+    with quiet_peft():
+        return peft.PeftModel.from_pretrained(model, folder, is_trainable=trainable)
+
+
+@contextlib.contextmanager
+def quiet_peft():
+    """PEFT's check of gradient checkpointing asks transformers 5 for its deprecated name: a FutureWarning that
+    nothing in a run can change."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 
 def save_adapter(accelerator, model, directory: Path, base: str) -> None:

@@ -1,6 +1,8 @@
 """`--output_mirror s3://bucket/run`: the run directory copied to object storage as it trains, and resumed from
 there on a fresh machine (mirror.py; docs/object_storage.md)."""
 
+import logging
+
 from src.features import Feature
 from src.features.object_storage.mirror import (
     MirrorOptions,
@@ -16,6 +18,8 @@ class ObjectStorage(Feature):
     Options = MirrorOptions
 
     def check(self, config) -> None:  # unreachable, without credentials or holding another run: said before training
+        for name in ("botocore", "aiobotocore"):  # "Found credentials in ...", at INFO, for each client
+            logging.getLogger(name).setLevel(logging.WARNING)
         check_mirror(config)
 
     def before_resume(self, accelerator, config) -> None:  # the mirror's newest checkpoint, where the disk's is older
