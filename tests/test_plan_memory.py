@@ -48,6 +48,7 @@ def row(plan: dict, strategy: str, checkpointed: bool = False) -> dict:
     return found
 
 
+@pytest.mark.slow
 def test_sharded_bytes_match_a_real_two_process_run(tmp_path):
     """The planner's per-process parameter and optimiser-state bytes on 2 devices are within 10% of what a real
     2-process FSDP2 run logs, and DDP's of what one process holds (float32: DeepSpeed keeps 16-bit weights under bf16,
@@ -109,6 +110,7 @@ def test_activations_match_a_step_measured_apart(tmp_path, fresh_accelerate_stat
     assert planned_activations(plan, 64) == pytest.approx(activations_measured_apart([], 64), rel=0.25)
 
 
+@pytest.mark.slow
 @needs("gpt")
 def test_activation_checkpointing_is_planned_for_a_model_that_has_it(tmp_path, stdlib_text, fresh_accelerate_state):
     """The GPT of configs/lm.yaml (gradient_checkpointing_enable): rows with and without activation checkpointing,
@@ -123,6 +125,7 @@ def test_activation_checkpointing_is_planned_for_a_model_that_has_it(tmp_path, s
         assert planned_activations(plan, 24, checkpointed) == pytest.approx(measured, rel=0.25), checkpointed
 
 
+@pytest.mark.slow
 @needs("hf")
 def test_a_transformers_llamas_activations_are_planned(tmp_path, hf_assets, fresh_accelerate_state):
     """A tiny Llama (transformers, from a config: rotary attention, gated MLP, RMSNorm) fine-tuned by the
@@ -151,6 +154,7 @@ def test_a_transformers_llamas_activations_are_planned(tmp_path, hf_assets, fres
 
 
 @needs("gpt")
+@pytest.mark.slow
 def test_one_device_of_24gb_or_three_of_12gb(tmp_path, stdlib_text, fresh_accelerate_state):
     """docs/lm.md's question, as its two commands answer it (fake tensors): a 0.9B-parameter GPT trains on one 24 GB
     device under DDP (micro-batch 16, accumulating 3); on three of 12 GB DDP does not fit, and FSDP2 does, at 8 with
@@ -210,6 +214,7 @@ def test_bad_input_is_one_line_and_exit_2(args, pattern):
     assert_error_line(planner(*args), pattern)
 
 
+@pytest.mark.slow
 def test_the_pages_command_runs():
     """docs/memory_planner.md's command, as written, in a process of its own: the table of every strategy."""
     assert_bash_blocks_run("docs/memory_planner.md")
