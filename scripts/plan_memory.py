@@ -166,7 +166,7 @@ def measure(config, fake: str) -> dict:
         model = tasks.starting_model(task, config, accelerator)
         model.train()
         optimizer = optim.build_optimizer(model, config)
-        checkpointing = [False, *([True] if hasattr(model, "gradient_checkpointing_enable") else [])]
+        checkpointing = [False, *([True] if any(hasattr(model, name) for name in distributed.CHECKPOINTING) else [])]
         measured["activation_checkpointing"] = checkpointing
         for checkpointed in checkpointing:
             if checkpointed:  # one way only, so after the runs without it

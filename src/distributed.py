@@ -84,11 +84,13 @@ def summed_loss_scale(accelerator, task, window: list) -> torch.Tensor:
     return accelerator.num_processes * accelerator.gradient_accumulation_steps / items.clamp_min(1)
 
 
+CHECKPOINTING = ("activation_checkpointing_enable", "gradient_checkpointing_enable")  # a model opts in: newest first
+
+
 def enable_gradient_checkpointing(model: nn.Module) -> None:
     """Models opt in with an `activation_checkpointing_enable()` method (Hugging Face Transformers 5: the older name
     warns that it goes in 6) or a `gradient_checkpointing_enable()` one (older Transformers, the GPT here)."""
-    names = ("activation_checkpointing_enable", "gradient_checkpointing_enable")
-    enable = next((getattr(model, name) for name in names if hasattr(model, name)), None)
+    enable = next((getattr(model, name) for name in CHECKPOINTING if hasattr(model, name)), None)
     if enable is None:
         raise UsageError(
             f"{type(model).__name__} does not support --gradient_checkpointing "
