@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv with torch for this machine (the small CPU build unless an NVIDIA GPU is present: a plain
 # `pip install torch` on Linux fetches a multi-GB CUDA build) and what training needs (requirements.txt); with --dev
-# also what the tests need: requirements-dev.txt and every optional feature's requirements/*.txt.
+# also what the tests need: requirements-dev.txt, every optional feature's requirements/*.txt, and the programs in
+# requirements/tools/ (each in a folder of its own).
 #   bash scripts/setup.sh          # TORCH_VERSION=2.13.0 by default; VENV=.venv
 #   bash scripts/setup.sh --dev    # + tests, lint and every feature present
 # The installed torch is then pinned for every later `pip install` in the venv (docs/install.md).
@@ -40,6 +41,14 @@ if $dev; then
     for file in requirements/*.txt; do [ -e "$file" ] && requirements+=(-r "$file"); done
 fi
 install "${requirements[@]}"
+if $dev; then  # programs the tests start (requirements/tools/NAME.txt), each in .venv/tools/NAME, off the venv's path:
+    # the runs never import their packages. Reinstalled only when the file changed (a copy of it is kept there).
+    for file in requirements/tools/*.txt; do
+        folder="$VENV/tools/$(basename "$file" .txt)"
+        [ -e "$file" ] && ! cmp -s "$file" "$folder/requirements.txt" || continue
+        rm -rf "$folder" && install --target "$folder" --no-warn-conflicts -r "$file" && cp "$file" "$folder/requirements.txt"
+    done
+fi
 if $dev; then  # the tests start hundreds of processes: none should compile, even where PYTHONDONTWRITEBYTECODE is set
     # (compileall writes regardless). A file no Python 3 compiles (a package's template) is skipped, as pip does.
     "$VENV/bin/python" -m compileall -qq -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true

@@ -1,15 +1,20 @@
 """--output_mirror (src/features/object_storage/): checkpoints, model/ and metrics.jsonl in object storage, against a
-real local S3 server (moto's, started here; the runs reach it through s3fs with AWS_ENDPOINT_URL). A run killed, its
+real local S3 server (moto's, started here from .venv/tools/s3_server; the runs reach it through s3fs with
+AWS_ENDPOINT_URL). A run killed, its
 disk wiped, resumes from the bucket with the uninterrupted run's losses; an upload cut off half-way is never
 `latest`; --save_total_limit rotates the bucket; bad input is one line before anything is written."""
 
 import importlib.util
 import itertools
 import json
+import os
 import shutil
 import socket
 import struct
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -32,13 +37,16 @@ from tests.helpers import as_written, assert_bash_blocks_run, assert_error_line,
 
 RUN = ["--max_steps", "8", "--logging_steps", "1", "--save_steps", "2", "--eval_steps", "1000"]  # 4 checkpoints
 BUCKETS = (f"bucket-{i}" for i in itertools.count())
+# moto's server, installed by `bash scripts/setup.sh --dev` from requirements/tools/s3_server.txt into a folder of its
+# own: in the venv, its boto3 would be imported by every run's `import accelerate`
+S3_SERVER = Path(sys.prefix) / "tools" / "s3_server"
 
 
 class S3:
     """moto's S3 server on a free local port; `env`: what a run needs to reach it (fake credentials)."""
 
     def __init__(self, endpoint: str):
-        import boto3
+        import botocore.session  # s3fs's own client library (through aiobotocore), used here without s3fs
 
         self.env = {
             "AWS_ENDPOINT_URL": endpoint,
@@ -52,7 +60,7 @@ class S3:
             "AWS_SESSION_TOKEN": None,
         }
         keys = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing", "region_name": "us-east-1"}
-        self.client = boto3.client("s3", endpoint_url=endpoint, **keys)  # the tests' own reader: boto3, not s3fs
+        self.client = botocore.session.get_session().create_client("s3", endpoint_url=endpoint, **keys)
 
     def bucket(self) -> str:
         name = next(BUCKETS)
@@ -83,14 +91,30 @@ class S3:
 
 
 @pytest.fixture(scope="module")
-def s3():
+def s3(tmp_path_factory):
     pytest.importorskip("s3fs")
-    server_module = pytest.importorskip("moto.server")
-    port = free_port()
-    server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield S3(f"http://127.0.0.1:{port}")
-    server.stop()
+    if not (S3_SERVER / "moto").is_dir():
+        pytest.skip(f"moto's S3 server is not in {S3_SERVER}: bash scripts/setup.sh --dev installs it")
+    port, log = free_port(), tmp_path_factory.mktemp("s3_server") / "server.log"  # it logs every request
+    with log.open("w") as output:
+        command = [sys.executable, "-m", "moto.server", "--host", "127.0.0.1", "--port", str(port)]
+        env = {**os.environ, "PYTHONPATH": str(S3_SERVER)}
+        server = subprocess.Popen(command, env=env, stdout=output, stderr=output)
+    try:
+        deadline = time.monotonic() + 120
+        while not port_open(port):
+            if server.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"moto's S3 server did not start: {log.read_text()[-2000:]}")
+            time.sleep(0.1)
+        yield S3(f"http://127.0.0.1:{port}")
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
 def mirrored(out: Path, bucket: str, *more: str) -> list[str]:
