@@ -41,16 +41,18 @@ if $dev; then
     for file in requirements/*.txt; do [ -e "$file" ] && requirements+=(-r "$file"); done
 fi
 install "${requirements[@]}"
-if $dev; then  # programs the tests start (requirements/tools/NAME.txt), each in .venv/tools/NAME, off the venv's path:
-    # the runs never import their packages. Reinstalled only when the file changed (a copy of it is kept there).
-    for file in requirements/tools/*.txt; do
-        folder="$VENV/tools/$(basename "$file" .txt)"
-        [ -e "$file" ] && ! cmp -s "$file" "$folder/requirements.txt" || continue
-        rm -rf "$folder" && install --target "$folder" --no-warn-conflicts -r "$file" && cp "$file" "$folder/requirements.txt"
-    done
-fi
 if $dev; then  # the tests start hundreds of processes: none should compile, even where PYTHONDONTWRITEBYTECODE is set
     # (compileall writes regardless). A file no Python 3 compiles (a package's template) is skipped, as pip does.
     "$VENV/bin/python" -m compileall -qq -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
+    # Programs the tests start (requirements/tools/NAME.txt) go in .venv/tools/NAME, off the venv's path, so that the
+    # runs never import their packages; reinstalled only when the file changed (a copy of it is kept there).
+    for file in requirements/tools/*.txt; do
+        folder="$VENV/tools/$(basename "$file" .txt)"
+        [ ! -e "$file" ] || cmp -s "$file" "$folder/requirements.txt" || {
+            rm -rf "$folder"
+            install --target "$folder" --no-warn-conflicts -r "$file"
+            cp "$file" "$folder/requirements.txt"
+        }
+    done
 fi
 echo "ready: $VENV ($("$VENV/bin/python" -c 'import torch, accelerate; print(f"torch {torch.__version__}, accelerate {accelerate.__version__}")')); activate it with: source $VENV/bin/activate"

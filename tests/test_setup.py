@@ -39,14 +39,18 @@ def run(command: list, **env) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory) -> Path:
-    """A venv made by `scripts/setup.sh --dev` that sees this interpreter's packages (a .pth file): its installs
-    are all satisfied already, so the script runs offline, and writes the venv's pin."""
+    """A venv made by `scripts/setup.sh --dev` that sees this interpreter's packages (a .pth file) and programs: its
+    installs are all satisfied already, so the script runs offline, and writes the venv's pin."""
     venv = tmp_path_factory.mktemp("setup") / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
     purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
     site = Path(subprocess.check_output([venv / "bin/python", "-c", purelib], text=True).strip())
     paths = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
     (site / "outer.pth").write_text("\n".join(paths) + "\n")
+    if (
+        Path(sys.prefix) / "tools"
+    ).is_dir():  # and its programs (requirements/tools/), installed where the script looks
+        (venv / "tools").symlink_to(Path(sys.prefix) / "tools")
     result = run(["bash", "scripts/setup.sh", "--dev"], VENV=str(venv))
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"ready: {venv} (torch {TORCH}" in result.stdout
@@ -143,3 +147,12 @@ def test_an_unknown_option_is_one_error_line_and_makes_no_venv(tmp_path):
     assert (result.returncode, result.stdout) == (2, "")
     assert result.stderr.startswith("error: unknown option '--devv'") and len(result.stderr.splitlines()) == 1
     assert not (tmp_path / "venv").exists()
+
+
+def test_the_programs_the_tests_start_are_installed_as_pinned():
+    """Each requirements/tools/NAME.txt is what .venv/tools/NAME holds (setup.sh keeps a copy of what it installed)."""
+    for file in sorted((REPO / "requirements" / "tools").glob("*.txt")):
+        installed = Path(sys.prefix) / "tools" / file.stem / "requirements.txt"
+        assert installed.is_file() and installed.read_text() == file.read_text(), (
+            f"{file.name}: bash scripts/setup.sh --dev"
+        )

@@ -15,6 +15,7 @@ The core never imports a feature by name: deleting its package (and its features
 """
 
 import dataclasses
+import functools
 import importlib
 import pkgutil
 from functools import cache
@@ -65,38 +66,29 @@ class Feature:
         """After model/, the test split and the predictions are written, on every process."""
 
 
+def each(hook):
+    """`Features.<hook>`: the hook of every feature in turn (with Feature's signature and docstring: `wraps`)."""
+
+    @functools.wraps(hook)
+    def call(self, *args):
+        for feature in self:
+            getattr(feature, hook.__name__)(*args)
+
+    return call
+
+
 class Features(tuple):
     """Every installed feature, called as one: `features.on_checkpoint(...)` calls each feature's hook in turn;
     `accelerator_options` and `train_loader` give the first answer that is not None, `adapt_model` passes the model
     through each."""
 
-    def check_launch(self, use_cpu: bool, config) -> None:
-        for feature in self:
-            feature.check_launch(use_cpu, config)
-
-    def check(self, config) -> None:
-        for feature in self:
-            feature.check(config)
-
-    def before_resume(self, accelerator, config) -> None:
-        for feature in self:
-            feature.before_resume(accelerator, config)
-
-    def on_start(self, accelerator, config, resumed: bool) -> None:
-        for feature in self:
-            feature.on_start(accelerator, config, resumed)
-
-    def on_step(self, accelerator, config, step: int) -> None:
-        for feature in self:
-            feature.on_step(accelerator, config, step)
-
-    def on_checkpoint(self, accelerator, config, checkpoint: Path, state) -> None:
-        for feature in self:
-            feature.on_checkpoint(accelerator, config, checkpoint, state)
-
-    def on_end(self, accelerator, config, model_dir: Path) -> None:
-        for feature in self:
-            feature.on_end(accelerator, config, model_dir)
+    check_launch = each(Feature.check_launch)
+    check = each(Feature.check)
+    before_resume = each(Feature.before_resume)
+    on_start = each(Feature.on_start)
+    on_step = each(Feature.on_step)
+    on_checkpoint = each(Feature.on_checkpoint)
+    on_end = each(Feature.on_end)
 
     def accelerator_options(self, use_cpu: bool, config) -> dict | None:
         return next((o for f in self if (o := f.accelerator_options(use_cpu, config)) is not None), None)
