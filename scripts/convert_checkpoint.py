@@ -17,6 +17,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from accelerate.utils import MODEL_NAME
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from src.checkpoint import CONVERTS  # noqa: E402
 from src.errors import UsageError, command_line  # noqa: E402
@@ -24,7 +26,7 @@ from src.run_dir import CONFIG_FILE, STATE_FILE, TMP_PREFIX  # noqa: E402
 
 WHOLE = ("model.safetensors", "optimizer.bin")  # what Accelerate's save_state writes for one process or DDP
 SHARDED = ("pytorch_model_fsdp_0", "optimizer_0")  # ... and under FSDP2 (DCP folders)
-ZERO = ("pytorch_model", "latest", "zero_to_*.py")  # ... and under DeepSpeed (its folder, tag file and scripts)
+ZERO = (MODEL_NAME, "latest", "zero_to_*.py")  # ... and under DeepSpeed (its folder, tag file and scripts)
 
 
 def convert(source: Path, target: Path, to: str) -> None:

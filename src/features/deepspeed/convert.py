@@ -13,13 +13,14 @@ import tempfile
 from pathlib import Path
 
 import torch
+from accelerate.utils import MODEL_NAME
 from deepspeed.checkpoint import ds_to_universal
 from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, PARAM, PARAM_GROUPS
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 from src.errors import UsageError, one_line
 
-TAG = "pytorch_model"  # the folder Accelerate's save_state gives DeepSpeed's save_checkpoint (its MODEL_NAME)
+TAG = MODEL_NAME  # "pytorch_model": the folder Accelerate's save_state gives DeepSpeed's save_checkpoint
 
 
 def load_zero_checkpoint(checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
