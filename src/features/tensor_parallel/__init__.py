@@ -1,6 +1,9 @@
 """FSDP2 x tensor parallel (accelerate_configs/fsdp_tp.yaml, docs/tensor_parallel.md): the accelerate config's
-`parallelism_config` (dp_shard_size x tp_size processes) trains `--task causal_lm`'s GPT with its linears split over
-the tensor-parallel ranks (plan.py) and every parameter sharded over the data-parallel ones by FSDP2.
+`parallelism_config` (dp_shard_size x tp_size processes) trains `--task causal_lm`'s GPT (plan.py) or a
+`--task language_modeling` transformers model such as a Llama (transformers_plan.py: the model's own
+`base_model_tp_plan`) with its linears split over the tensor-parallel ranks, and every parameter sharded over the
+data-parallel ones by FSDP2. Its sharded checkpoints resume on the same mesh (src/checkpoint.py refuses another
+process count or strategy: the saved `setup/strategy` is FSDP2+TP).
 
 Accelerate builds the device mesh and hands the tensor-parallel ranks of a data-parallel group the same batches
 (data_loader.py: process_index // tp_size); its FSDP2 path shards over the mesh's data-parallel dimension. On CPU
@@ -18,6 +21,7 @@ from src.strategy import FSDP, requested_strategy
 
 USE_VARIABLE = "ACCELERATE_USE_PARALLELISM_CONFIG"  # what `accelerate launch` sets for a config's parallelism_config
 DEFERRED = "deferred"  # its value once the feature holds the config back (Accelerate builds it for "true" only)
+TASKS = ("causal_lm", "language_modeling")  # the tasks whose models have a plan: the GPT's, a transformers model's
 
 
 def tp_size() -> int:
@@ -51,10 +55,10 @@ class TensorParallel(Feature):
             )
         if config is None:  # scripts/launch.py: the accelerate config alone
             return
-        if config.task != "causal_lm":
+        if config.task not in TASKS:
             raise LaunchError(
-                f"tensor parallelism has a plan for --task causal_lm's GPT only, not {config.task}; "
-                "use accelerate_configs/fsdp.yaml"
+                f"tensor parallelism has plans for --task causal_lm's GPT and --task language_modeling's transformers "
+                f"models only, not {config.task}; use accelerate_configs/fsdp.yaml"
             )
 
     def accelerator_options(self, use_cpu: bool, config) -> dict | None:
@@ -70,25 +74,36 @@ class TensorParallel(Feature):
         return {"cpu": True, "fsdp_plugin": FullyShardedDataParallelPlugin()}
 
     def adapt_model(self, model, accelerator):
-        """The device mesh (on CPU processes, now that the state is FSDP2), then the GPT's plan on its "tp" dimension
-        (Accelerate's prepare shards it over the data-parallel dimension) and metrics gathered once per data-parallel
-        group."""
+        """The device mesh (on CPU processes, now that the state is FSDP2), then the model's plan (`plan_for`) on its
+        "tp" dimension (Accelerate's prepare shards it over the data-parallel dimension) and metrics gathered once per
+        data-parallel group."""
         if self.deferred is not None:
             enable_on_cpu(accelerator, self.deferred)
             self.deferred = None
         config = accelerator.state.parallelism_config if hasattr(accelerator.state, "parallelism_config") else None
         if config is None or not config.tp_enabled:
             return model
-        from src.features.gpt.model import GPT
-        from src.features.tensor_parallel.plan import check_divisible, parallelize_gpt
-
-        if not isinstance(model, GPT):
-            raise LaunchError(f"tensor parallelism has a plan for the causal_lm GPT only, not {type(model).__name__}")
-        if problem := check_divisible(model, config.tp_size):
+        check, parallelize = plan_for(model)
+        if problem := check(model, config.tp_size):
             raise LaunchError(problem)
         skip_accelerates_tp_pass(accelerator)
         gather_metrics_over_data_parallel_ranks(accelerator, config.tp_size)
-        return parallelize_gpt(model, accelerator.torch_device_mesh["tp"])
+        return parallelize(model, accelerator.torch_device_mesh["tp"])
+
+
+def plan_for(model):
+    """(check, parallelize) of the model's plan: the GPT's (plan.py) or a transformers model's own
+    (transformers_plan.py); anything else is refused."""
+    from src.features.gpt.model import GPT
+    from src.features.tensor_parallel import plan, transformers_plan
+
+    if isinstance(model, GPT):
+        return plan.check_divisible, plan.parallelize_gpt
+    if transformers_plan.is_transformers_model(model):
+        return transformers_plan.check_plan, transformers_plan.parallelize_transformers_model
+    raise LaunchError(
+        f"tensor parallelism has plans for the causal_lm GPT and transformers models only, not {type(model).__name__}"
+    )
 
 
 def enable_on_cpu(accelerator, config) -> None:
