@@ -23,6 +23,7 @@ from torch import nn
 from src.errors import UsageError
 from src.features.hf.adapters import AdapterOptions
 from src.features.hf.base import HuggingFaceTask, check_dropout, main_process_first
+from src.imports import hidden
 
 IGNORE = -100  # labels the loss skips: padding
 
@@ -184,7 +185,8 @@ class LanguageModeling(HuggingFaceTask):
         new_tokens = self.options.max_new_tokens
         from accelerate.utils import extract_model_from_parallel
 
-        generator = extract_model_from_parallel(model)  # DDP's wrapper has no generate()
+        with hidden("deepspeed"):  # else imported (~2 s a process, mlflow with it) to look for a DeepSpeedEngine
+            generator = extract_model_from_parallel(model)  # DDP's wrapper has no generate()
         output = generator.generate(
             input_ids=batch["input_ids"],
             attention_mask=batch["attention_mask"],
