@@ -103,9 +103,9 @@ def strategy_of(model: nn.Module) -> str:
 
     if type(model).__name__ == "DeepSpeedEngine":  # a prepared DeepSpeed model; deepspeed is not imported otherwise
         return f"DeepSpeed ZeRO-{model.zero_optimization_stage()}"
-    meshes = [p.device_mesh.mesh_dim_names or () for p in model.parameters() if isinstance(p, DTensor)]
-    if meshes:  # a "tp" dimension: the tensor_parallel feature's plan split the model over it too
-        return "FSDP2+TP" if any("tp" in names for names in meshes) else "FSDP2"
+    dims = {d for p in model.parameters() if isinstance(p, DTensor) for d in p.device_mesh.mesh_dim_names or ("",)}
+    if dims:  # sharded; over a "tp" dimension too (the tensor_parallel feature's plan), or in replicas (HSDP)
+        return "FSDP2+TP" if "tp" in dims else "HSDP" if "dp_replicate" in dims else "FSDP2"
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return "DDP"
     return "single process"

@@ -27,6 +27,7 @@ EXPECTED = {
     "deepspeed_zero2": (DistributedType.DEEPSPEED, 2),
     "deepspeed_zero3": (DistributedType.DEEPSPEED, 2),
     "fsdp_tp": (DistributedType.FSDP, 4),
+    "hsdp": (DistributedType.FSDP, 4),
     "multi_node": (DistributedType.MULTI_GPU, 16),
 }
 LAUNCHER = {
@@ -56,7 +57,7 @@ def comment_launch_commands(path: Path) -> list[str]:
 
 def test_every_config_file_is_known():
     """Every config is known here (the deepspeed and tensor_parallel features' may have been removed with them)."""
-    optional = {"deepspeed_zero2", "deepspeed_zero3", "fsdp_tp"} - {path.stem for path in CONFIGS}
+    optional = {"deepspeed_zero2", "deepspeed_zero3", "fsdp_tp", "hsdp"} - {path.stem for path in CONFIGS}
     assert {path.stem for path in CONFIGS} == set(EXPECTED) - optional, "add new accelerate_configs/*.yaml to EXPECTED"
 
 

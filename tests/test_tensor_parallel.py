@@ -1,7 +1,8 @@
 """FSDP2 x tensor parallel (the tensor_parallel feature): docs/tensor_parallel.md's command on 4 CPU processes, a
 2 x 2 mesh of data-parallel x tensor-parallel ranks, trains, evaluates and predicts with the GPT as one process does,
 each process holding about a quarter of it; its sharded checkpoint resumes exactly on the same mesh (and is refused
-on another). The same for a tiny transformers Llama (`--task language_modeling`), split by its own plan."""
+on another). The same for a tiny transformers Llama (`--task language_modeling`), split by its own plan. And HSDP (2
+replicas x 2 shards) trains the digits as one process does."""
 
 import json
 import shutil
@@ -171,6 +172,39 @@ def test_a_transformers_llama_trains_evaluates_and_predicts_as_one_process_does(
     assert {n: series(rows[n], "eval/num_samples")[4] for n in rows} == {1: 37, 4: 37}
     predictions = {n: (llama_runs[n] / "predictions.jsonl").read_text() for n in llama_runs}
     assert predictions[4] == predictions[1] and len(predictions[1].splitlines()) == 7
+
+
+# --- HSDP: 2 replicas x 2 shards ---
+
+# the default digits task, 8 steps of a global batch of 64 (4 data-parallel ranks x 16; 4 micro-batches on one
+# process), float32, at the learning rate where 1 and N processes agree to float rounding (tests/test_distributed.py)
+HSDP_RUN = ["--max_steps", "8", "--logging_steps", "1", "--learning_rate", "1e-3", "--mixed_precision", "no",
+            "--global_batch_size", "64", "--per_device_train_batch_size", "16", "--eval_steps", "8"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_hsdp_trains_as_one_process_does(tmp_path):
+    """The page's HSDP command on 4 processes: the per-step losses and the eval of one process (every sample counted
+    once), each process holding half the parameters (sharded over the 2 processes of a replica, whole in each of the
+    2 replicas), `setup/strategy` HSDP: read off the model, whose parameters live on a mesh with a "dp_replicate"
+    dimension (not FSDP2 over all 4, not DDP)."""
+    (command,) = section_commands("HSDP", page="docs/tensor_parallel.md")
+    out = {n: tmp_path / f"p{n}" for n in (1, 4)}
+    assert_ok(run_command([*as_written(command), *HSDP_RUN, "--output_dir", str(out[4])], timeout=600))
+    assert_ok(run_main(*HSDP_RUN, "--output_dir", str(out[1])))
+    assert_processes(out[4], 4)
+    rows = {n: read_metrics(out[n]) for n in out}
+    one, four = (series(rows[n], "train/loss") for n in (1, 4))
+    assert list(one) == list(four) == list(range(1, 9))
+    assert max(abs(four[step] - one[step]) for step in one) < 1e-5, (one, four)
+    setup = {n: rows[n][0] for n in rows}
+    assert [setup[n]["setup/strategy"] for n in (1, 4)] == ["single process", "HSDP"]
+    assert (setup[4]["setup/global_batch"], setup[4]["setup/gradient_accumulation"]) == (64, 1)
+    param_bytes = {n: series(rows[n], "memory/param_bytes")[1] for n in rows}
+    assert 0.45 <= param_bytes[4] / param_bytes[1] <= 0.55, param_bytes
+    evals = {n: series(rows[n], "eval/loss") for n in rows}
+    assert list(evals[4]) == [8] and abs(evals[4][8] - evals[1][8]) < 1e-5, evals
+    assert series(rows[4], "eval/num_samples")[8] == series(rows[1], "eval/num_samples")[8]
 
 
 # --- the memory planner's rows against what the runs hold ---

@@ -1,12 +1,14 @@
-"""FSDP2 x tensor parallel (accelerate_configs/fsdp_tp.yaml, docs/tensor_parallel.md): the accelerate config's
-`parallelism_config` (dp_shard_size x tp_size processes) trains `--task causal_lm`'s GPT (plan.py) or a
-`--task language_modeling` transformers model such as a Llama (transformers_plan.py: the model's own
-`base_model_tp_plan`) with its linears split over the tensor-parallel ranks, and every parameter sharded over the
-data-parallel ones by FSDP2. Its sharded checkpoints resume on the same mesh (src/checkpoint.py refuses another
-process count or strategy: the saved `setup/strategy` is FSDP2+TP).
+"""FSDP2 in two dimensions, through the accelerate config's `parallelism_config` (docs/tensor_parallel.md):
+- x tensor parallel (accelerate_configs/fsdp_tp.yaml, dp_shard_size x tp_size processes): `--task causal_lm`'s GPT
+  (plan.py) or a `--task language_modeling` transformers model such as a Llama (transformers_plan.py: the model's own
+  `base_model_tp_plan`) with its linears split over the tensor-parallel ranks, and every parameter sharded over the
+  data-parallel ones by FSDP2. Its sharded checkpoints resume on the same mesh (src/checkpoint.py refuses another
+  process count or strategy: the saved `setup/strategy` is FSDP2+TP).
+- HSDP (accelerate_configs/hsdp.yaml, dp_replicate_size x dp_shard_size processes): any model sharded by FSDP2 within
+  each replica group and its gradients all-reduced across the groups; `setup/strategy` is HSDP.
 
 Accelerate builds the device mesh and hands the tensor-parallel ranks of a data-parallel group the same batches
-(data_loader.py: process_index // tp_size); its FSDP2 path shards over the mesh's data-parallel dimension. On CPU
+(data_loader.py: process_index // tp_size); its FSDP2 path shards over the mesh's data-parallel dimensions. On CPU
 processes it refuses the parallelism config (`ParallelismConfig._validate_accelerator`: FSDP2 or a GPU-like type
 only, and the state is MULTI_CPU when the Accelerator is built; src/strategy.py makes FSDP2 there afterwards), so
 here the config is built after that switch, as `Accelerator.__init__` would build it; on GPUs Accelerate builds it.
@@ -24,11 +26,9 @@ DEFERRED = "deferred"  # its value once the feature holds the config back (Accel
 TASKS = ("causal_lm", "language_modeling")  # the tasks whose models have a plan: the GPT's, a transformers model's
 
 
-def tp_size() -> int:
-    """The accelerate config's tensor-parallel size (1: none asked for)."""
-    if os.environ.get(USE_VARIABLE, "").lower() not in ("true", DEFERRED):
-        return 1
-    return int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1"))
+def asked_for() -> bool:
+    """Whether the accelerate config has a `parallelism_config` (its sizes: `ParallelismConfig()` reads them)."""
+    return os.environ.get(USE_VARIABLE, "").lower() in ("true", DEFERRED)
 
 
 class TensorParallel(Feature):
@@ -36,16 +36,17 @@ class TensorParallel(Feature):
         self.deferred = None  # the ParallelismConfig built after FSDP2 is enabled on CPU processes
 
     def check_launch(self, use_cpu: bool, config) -> None:
-        if tp_size() == 1:
+        if not asked_for():
             return
         from accelerate.parallelism_config import ParallelismConfig
 
         sizes = ParallelismConfig()  # the launcher's PARALLELISM_CONFIG_* variables
         launched = int(os.environ.get("WORLD_SIZE", "1"))
-        if requested_strategy() != FSDP or sizes.dp_shard_size < 2:
+        if requested_strategy() != FSDP or sizes.dp_shard_size < 2 or sizes.cp_enabled or sizes.sp_enabled:
             raise LaunchError(
-                "tensor parallelism here composes with FSDP2 only: use accelerate_configs/fsdp_tp.yaml "
-                "(distributed_type FSDP, fsdp_version 2, parallelism_config_dp_shard_size >= 2)"
+                "a parallelism_config here is FSDP2's, with tensor parallel or replicas (HSDP): use "
+                "accelerate_configs/fsdp_tp.yaml or hsdp.yaml (distributed_type FSDP, fsdp_version 2, "
+                "parallelism_config_dp_shard_size >= 2, no cp or sp)"
             )
         if sizes.total_size != launched:
             raise LaunchError(
@@ -53,7 +54,7 @@ class TensorParallel(Feature):
                 f"(dp_replicate x dp_shard x tp x cp) but {launched} were launched; launch with --num_processes "
                 f"{sizes.total_size} or change the sizes"
             )
-        if config is None:  # scripts/launch.py: the accelerate config alone
+        if config is None or not sizes.tp_enabled:  # scripts/launch.py: the accelerate config alone; or HSDP
             return
         if config.task not in TASKS:
             raise LaunchError(
@@ -64,7 +65,7 @@ class TensorParallel(Feature):
     def accelerator_options(self, use_cpu: bool, config) -> dict | None:
         """On CPU processes: FSDP2's plugin (src/strategy.py enables it), the parallelism config held back until then.
         On GPUs: None, Accelerate's own path."""
-        if tp_size() == 1 or not use_cpu:
+        if not asked_for() or not use_cpu:
             return None
         from accelerate.parallelism_config import ParallelismConfig
         from accelerate.utils import FullyShardedDataParallelPlugin
@@ -119,9 +120,9 @@ def enable_on_cpu(accelerator, config) -> None:
     state.device_mesh = config.get_device_mesh(accelerator.device.type)
     config._validate_accelerator(accelerator)
     mesh = accelerator.torch_device_mesh
-    if mesh is None or "tp" not in mesh.mesh_dim_names or accelerator.parallelism_config is not config:
+    if mesh is None or accelerator.parallelism_config is not config:
         raise LaunchError(
-            "this Accelerate did not build the tensor-parallel device mesh on CPU processes "
+            "this Accelerate did not build the parallelism config's device mesh on CPU processes "
             "(src/features/tensor_parallel/); use accelerate_configs/fsdp.yaml on this machine"
         )
 
