@@ -76,8 +76,8 @@ class TensorParallel(Feature):
 
     def adapt_model(self, model, accelerator):
         """The device mesh (on CPU processes, now that the state is FSDP2), then the model's plan (`plan_for`) on its
-        "tp" dimension (Accelerate's prepare shards it over the data-parallel dimension) and metrics gathered once per
-        data-parallel group."""
+        "tp" dimension (Accelerate's prepare shards it over the data-parallel dimensions) and metrics gathered once
+        per data-parallel group. HSDP has no plan: Accelerate's prepare shards the model over its replicas' mesh."""
         if self.deferred is not None:
             enable_on_cpu(accelerator, self.deferred)
             self.deferred = None
