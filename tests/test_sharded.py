@@ -36,6 +36,7 @@ from tests.helpers import (
     PROMPTS,
     STRATEGIES,
     assert_bash_blocks_run,
+    has_feature,
     lm_eval_loss,
     padded_lm,
     padded_lm_one_process,
@@ -320,7 +321,7 @@ def test_convert_checkpoint_refuses_what_it_cannot_convert(tmp_path, monkeypatch
         convert(checkpoint, taken, "FSDP2")
     with pytest.raises(UsageError, match="ZeRO-3; --to FSDP2 converts a whole model.s .one process or DDP."):
         convert(checkpoint, new, "FSDP2")
-    if (REPO / "src" / "features" / "deepspeed").is_dir() and importlib.util.find_spec("deepspeed"):  # its check
+    if has_feature("deepspeed") and importlib.util.find_spec("deepspeed"):  # its check
         with pytest.raises(UsageError, match=r"step_10 has no pytorch_model/ \(DeepSpeed's partitions\); convert a "):
             convert(checkpoint, new, "DDP")
     (checkpoint / "pytorch_model").mkdir()

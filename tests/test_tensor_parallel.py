@@ -212,20 +212,15 @@ def test_hsdp_trains_as_one_process_does(tmp_path):
 
 def planned_rows(run: Path) -> dict[str, dict]:
     """scripts/plan_memory.py (the memory_planner feature) for a run's own config.yaml on its 4 devices, in this
-    process: its rows without activation checkpointing, by strategy."""
+    process (its Accelerator(cpu=True) is process-wide state: the tests reset it, `fresh_accelerate_state`): its rows
+    without activation checkpointing, by strategy."""
     import contextlib
     import io
 
-    from accelerate.state import AcceleratorState, GradientState
-
     from scripts import plan_memory
 
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            plan = plan_memory.main(["--config", str(run / "config.yaml"), "--devices", "4", "--device_memory", "1GiB"])
-    finally:  # the planner's Accelerator(cpu=True) is process-wide state
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
+    with contextlib.redirect_stdout(io.StringIO()):
+        plan = plan_memory.main(["--config", str(run / "config.yaml"), "--devices", "4", "--device_memory", "1GiB"])
     return {row["strategy"]: row for row in plan["strategies"] if not row["activation_checkpointing"]}
 
 
@@ -242,13 +237,13 @@ def assert_planned_as_held(runs: dict[int, Path]) -> None:
 
 @needs("memory_planner")
 @pytest.mark.slow
-def test_the_memory_planner_s_bytes_are_what_the_gpt_runs_hold(runs):
+def test_the_memory_planner_s_bytes_are_what_the_gpt_runs_hold(runs, fresh_accelerate_state):
     assert_planned_as_held(runs)
 
 
 @needs("memory_planner", "hf")
 @pytest.mark.slow
-def test_the_memory_planner_s_bytes_are_what_the_llama_runs_hold(llama_runs):
+def test_the_memory_planner_s_bytes_are_what_the_llama_runs_hold(llama_runs, fresh_accelerate_state):
     assert_planned_as_held(llama_runs)
 
 
