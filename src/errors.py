@@ -24,7 +24,7 @@ class RunStopped(Exception):
 
     exit_code = 1
     prefix = "error"
-    main_process_only = False  # True: the same on every process, so only the main one prints it
+    main_process_only = False  # True: the same on every process: said once even with no launcher's folder
 
 
 class UsageError(RunStopped):
@@ -34,7 +34,7 @@ class UsageError(RunStopped):
 
 
 class LaunchError(UsageError):
-    """The launch asks for something this machine can't run; every process finds it, the main one says it."""
+    """The launch asks for something this machine can't run; every process finds it, the first says it."""
 
     main_process_only = True
 
@@ -69,20 +69,22 @@ def say(line: str) -> None:
     sys.stderr.flush()
 
 
-def first_to_say(line: str) -> bool:
-    """Whether this process is the first of its launch to say `line`: an error every rank finds is said once. The
-    claim is a file created exclusively in torch elastic's folder for this launch attempt (TORCHELASTIC_ERROR_FILE is
-    <folder>/<rank>/error.json), which the ranks of a node share; without it every process says its line."""
+def first_to_say(line: str, main_process_only: bool = False) -> bool:
+    """Whether this process is the first of its launch to say `line`: an error every rank finds is said once, by
+    whichever rank gets there first (the launcher stops the others as soon as one exits: a line left to rank 0 could
+    be lost). The claim is a file created exclusively in torch elastic's folder for this launch attempt
+    (TORCHELASTIC_ERROR_FILE is <folder>/<rank>/error.json), which the ranks of a node share. Without that folder
+    every process says its line, or only the main one if `main_process_only` (the line is the same on every one)."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not error_file:
-        return True
-    try:
-        (Path(error_file).parent.parent / f"said-{hashlib.sha1(line.encode()).hexdigest()}").touch(exist_ok=False)
-    except FileExistsError:
-        return False
-    except OSError:  # no such folder: say it
-        pass
-    return True
+    if error_file:
+        try:
+            (Path(error_file).parent.parent / f"said-{hashlib.sha1(line.encode()).hexdigest()}").touch(exist_ok=False)
+            return True
+        except FileExistsError:
+            return False
+        except OSError:  # no such folder: as without a launcher
+            pass
+    return is_main_process() or not main_process_only
 
 
 def let_threads_settle(num_processes: int | None = None) -> None:
@@ -105,7 +107,7 @@ def command_line(fn):
             if debug and not isinstance(err, TrainingPreempted):  # preempted: exit 75 all the same, for the requeue
                 raise
             line = f"{err.prefix}: {err}"
-            if (is_main_process() or not err.main_process_only) and first_to_say(line):
+            if first_to_say(line, err.main_process_only):
                 say(line)
             let_threads_settle()
             sys.exit(err.exit_code)
