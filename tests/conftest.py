@@ -139,8 +139,159 @@ def run_main(*args: str, env: dict | None = None, cwd: Path = REPO) -> subproces
 
 
 def run_on(processes: int, *args: str, config: str = "ddp", env: dict | None = None) -> subprocess.CompletedProcess:
-    """train.py on `processes` processes: 1 in this process (run_main), more in an `accelerate launch`."""
-    return run_main(*args, env=env) if processes == 1 else run_train(*args, processes=processes, config=config, env=env)
+    """train.py on `processes` processes: 1 in this process (run_main), more forked from it (run_ranks)."""
+    if processes == 1:
+        return run_main(*args, env=env)
+    return run_ranks(REPO / "train.py", list(args), processes, config=config, env=env)
+
+
+def resolve_launch(argv: list[str]) -> dict:
+    """What `accelerate launch <argv>` would start, without starting it: accelerate's own parsing and config merging
+    (`launch_command`) run unchanged; the launcher it picks is replaced by a recorder that keeps the arguments and the
+    environment the workers would get."""
+    from unittest import mock
+
+    import accelerate.commands.launch as launch
+    import accelerate.utils.launch as launch_utils
+
+    def recorder(name, prepare_env):
+        def launcher(args):
+            launched.update(launcher=name, args=args, env=prepare_env(args))
+
+        return launcher
+
+    launched = {}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(contextlib.chdir(REPO))  # the commands use paths relative to the repository root
+        stack.enter_context(mock.patch.object(launch_utils, "is_port_in_use", lambda port: False))  # machine 0's check
+        for name, prepare in [
+            ("simple", lambda args: launch_utils.prepare_simple_launcher_cmd_env(args)[1]),
+            ("multi_gpu", launch_utils.prepare_multi_gpu_env),
+            ("deepspeed", lambda args: launch_utils.prepare_deepspeed_cmd_env(args)[1]),
+        ]:
+            stack.enter_context(mock.patch.object(launch, f"{name}_launcher", recorder(name, prepare)))
+        launch.launch_command(launch.launch_command_parser().parse_args(argv))
+    return launched
+
+
+def run_ranks(script: Path, args: list[str], processes: int, config: str = "ddp", env: dict | None = None,
+              timeout: float = 300) -> subprocess.CompletedProcess:  # fmt: skip
+    """`accelerate launch --config_file accelerate_configs/<config>.yaml --num_processes N script args`, its N ranks
+    forked from this process, as torch's own distributed tests fork theirs: each rank gets the variables accelerate's
+    launch code computes (resolve_launch) and torchrun adds, and runs `script` as `python script args` would, without
+    paying the imports again (~4 CPU-s a rank, ~1.6 more for the launcher). As torchrun does, the first rank to fail
+    stops the others. The exit status is the first failing rank's (torchrun's own is 1); stdout and stderr are the
+    ranks' in rank order. What a launch itself does (its signals, its report, scripts/launch.py) runs a real one."""
+    import shutil
+    import tempfile
+    import time
+
+    import torch._dynamo  # noqa: F401  (the optimizer's first step imports it: ~1.3 s a process)
+
+    import train  # noqa: F401
+
+    launch = ["--config_file", f"accelerate_configs/{config}.yaml", "--num_processes", str(processes)]
+    port = free_port()
+    launched = resolve_launch([*launch, "--main_process_port", str(port), str(script), *args])
+    variables = {k: v for k, v in launched["env"].items() if os.environ.get(k) != v}
+    folder = Path(tempfile.mkdtemp(prefix="ranks-"))
+    pids = []
+    for rank in range(processes):
+        rank_variables = {
+            **variables, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "WORLD_SIZE": str(processes),
+            "LOCAL_WORLD_SIZE": str(processes), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "TORCHELASTIC_RUN_ID": folder.name, "TORCHELASTIC_ERROR_FILE": str(folder / str(rank) / "error.json"),
+        }  # fmt: skip
+        sys.stdout.flush(), sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the rank: it never returns from here
+            run_as_script(script, args, command_env({**rank_variables, **(env or {})}), folder / str(rank))
+        pids.append(pid)
+    codes: dict[int, int] = {}  # rank -> exit status, in the order they ended
+    deadline = time.monotonic() + timeout
+    while len(codes) < processes:
+        for rank, pid in enumerate(pids):
+            if rank not in codes and (status := os.waitpid(pid, os.WNOHANG))[0]:
+                codes[rank] = os.waitstatus_to_exitcode(status[1])
+        failed = any(codes.values())
+        if failed or time.monotonic() > deadline:
+            for rank, pid in enumerate(pids):
+                if rank not in codes:
+                    os.kill(pid, 9)
+                    codes[rank] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            if not failed:
+                raise subprocess.TimeoutExpired(launched["args"].training_script, timeout)
+        time.sleep(0.05)
+    outputs = [((folder / str(rank) / "stdout").read_text(), (folder / str(rank) / "stderr").read_text())
+               for rank in range(processes)]  # fmt: skip
+    shutil.rmtree(folder)
+    status = next((code for code in codes.values() if code), 0)
+    command = ["accelerate", "launch", *launch, str(script), *args]
+    return subprocess.CompletedProcess(command, status, *("".join(streams) for streams in zip(*outputs, strict=True)))
+
+
+def run_as_script(script: Path, args: list[str], env: dict, folder: Path) -> None:
+    """In a forked rank: run `script` as `python script args` would in `env` (stdout and stderr to files in `folder`,
+    stdin closed), then exit with its status, at-exit functions and all; nothing returns to the caller's code."""
+    import atexit
+    import logging
+    import runpy
+    import signal
+    import traceback
+    import warnings
+
+    import torch
+    from accelerate.state import AcceleratorState, GradientState
+
+    status = 1
+    try:
+        folder.mkdir()
+        for fd, path in ((0, os.devnull), (1, folder / "stdout"), (2, folder / "stderr")):
+            opened = os.open(path, os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT)
+            os.dup2(opened, fd)
+            os.close(opened)
+        before = {1: (sys.stdout, sys.__stdout__), 2: (sys.stderr, sys.__stderr__)}
+        sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115  (pytest's capture replaced both in this process)
+        sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+        atexit._clear()  # the forking process's (pytest's) are not this one's
+        logging.root.handlers.clear()  # pytest's; a fresh interpreter's root logger has none
+        for logger in logging.root.manager.loggerDict.values():  # the libraries' own (transformers') write here
+            for handler in getattr(logger, "handlers", []):
+                if isinstance(handler, logging.StreamHandler) and handler.stream in before[1] + before[2]:
+                    handler.setStream(sys.stdout if handler.stream in before[1] else sys.stderr)
+        warnings.resetwarnings()  # pytest records warnings: a fresh interpreter prints them, with its default filters
+        for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+            warnings.simplefilter("ignore", category)
+        warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
+        warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: sys.stderr.write(
+            warnings.formatwarning(message, category, filename, lineno, line)
+        )
+        for number in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
+            signal.signal(number, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a pytest-xdist worker ignores it
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(REPO)
+        sys.argv, sys.path[0:0] = [str(script), *args], [str(script.parent)]
+        torch.set_num_threads(1)
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        try:
+            runpy.run_path(str(script), run_name="__main__")
+            status = 0
+        except SystemExit as stop:  # as the interpreter exits: an int is the status, anything else is printed
+            if stop.code is None or isinstance(stop.code, int):
+                status = stop.code or 0
+            else:
+                print(stop.code, file=sys.stderr)
+        atexit._run_exitfuncs()
+    except BaseException:  # as the interpreter reports an uncaught exception: its traceback, exit status 1
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(status)
 
 
 def read_metrics(output_dir: Path) -> list[dict]:
@@ -231,8 +382,9 @@ def run_with_hook(
 ):
     script = tmp_path / "wrapped_train.py"
     script.write_text(WRAPPER.format(repo=str(REPO), hook=hook, extra=extra))
-    command = [part if part != "train.py" else str(script) for part in launch_command(processes, config)]
-    return run_command([*command, *args], **kwargs)
+    if processes > 1:
+        return run_ranks(script, args, processes, config=config, **kwargs)
+    return run_command([sys.executable, str(script), *args], **kwargs)
 
 
 def pytest_xdist_auto_num_workers(config) -> int:

@@ -288,38 +288,6 @@ def lm_eval_loss(model_dir, eval_file, peft: bool = False) -> float:
 # --- accelerate launch, resolved without launching ---
 
 
-def resolve_launch(argv: list[str], monkeypatch) -> dict:
-    """What `accelerate launch <argv>` would start, without starting it.
-
-    accelerate's own parsing and config merging (`launch_command`) run unchanged; the launcher it picks is replaced
-    by a recorder that keeps the arguments and the environment the workers would get.
-    """
-    import accelerate.commands.launch as launch
-    import accelerate.utils.launch as launch_utils
-    from accelerate.commands.launch import launch_command_parser
-
-    def recorder(name, prepare_env):
-        def launcher(args):
-            launched.update(launcher=name, args=args, env=prepare_env(args))
-
-        return launcher
-
-    def simple_env(args):
-        return launch_utils.prepare_simple_launcher_cmd_env(args)[1]
-
-    def deepspeed_env(args):
-        return launch_utils.prepare_deepspeed_cmd_env(args)[1]
-
-    launched = {}
-    monkeypatch.chdir(REPO)  # the commands use paths relative to the repository root
-    monkeypatch.setattr(launch_utils, "is_port_in_use", lambda port: False)  # machine 0 checks its port is free
-    monkeypatch.setattr(launch, "simple_launcher", recorder("simple", simple_env))
-    monkeypatch.setattr(launch, "multi_gpu_launcher", recorder("multi_gpu", launch_utils.prepare_multi_gpu_env))
-    monkeypatch.setattr(launch, "deepspeed_launcher", recorder("deepspeed", deepspeed_env))
-    launch.launch_command(launch_command_parser().parse_args(argv))
-    return launched
-
-
 # --- the tiny GPT-2's 1-process reference, trained once per test run (tests/test_hf.py, test_sharded.py) ---
 
 

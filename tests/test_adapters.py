@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import QUICK, assert_ok, assert_processes, read_metrics, run_main, run_train
+from tests.conftest import QUICK, assert_ok, assert_processes, read_metrics, run_main, run_on
 from tests.helpers import (
     STRATEGIES,
     assert_error_line,
@@ -43,7 +43,7 @@ def lm_runs(hf_assets, tmp_path_factory) -> dict[int, Path]:
     """1 process (16 per step), saving the merged model; 2 processes (4 x 2 accumulated each), saving the adapter."""
     runs = {n: tmp_path_factory.mktemp(f"lora{n}") / "run" for n in (1, 2)}
     assert_ok(run_main(*lora_lm(hf_assets, 16, "--merge_adapter", "true"), "--output_dir", str(runs[1])))
-    assert_ok(run_train(*lora_lm(hf_assets, 4), "--output_dir", str(runs[2]), processes=2))
+    assert_ok(run_on(2, *lora_lm(hf_assets, 4), "--output_dir", str(runs[2])))
     assert_processes(runs[2], 2)
     return runs
 
@@ -90,7 +90,7 @@ def test_eval_only_and_predict_on_the_adapter_folder(lm_runs, hf_assets, tmp_pat
 @pytest.mark.parametrize("config", strategy_params())
 def test_sharded_adapter_trains_and_saves_as_ddp_does(lm_runs, hf_assets, tmp_path, config):
     out = tmp_path / "run"
-    result = run_train(*lora_lm(hf_assets, 4), "--output_dir", str(out), processes=2, config=config)
+    result = run_on(2, *lora_lm(hf_assets, 4), "--output_dir", str(out), config=config)
     assert_ok(result)
     assert "FutureWarning" not in result.stdout + result.stderr  # the libraries' own: quiet_peft, DeepSpeed's filter
     assert_processes(out, 2)

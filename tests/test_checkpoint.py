@@ -108,9 +108,8 @@ def test_sigkill_then_sigterm_on_one_of_2_processes_then_resume_matches_uninterr
 
     hook = "if step == 33 and os.environ.get('RANK', '0') == '0': os.kill(os.getpid(), signal.SIGTERM)"
     preempted = run_with_hook(tmp_path, args, hook, processes=2)
-    assert preempted.returncode != 0
+    assert preempted.returncode == EXIT_PREEMPTED  # the status of the first rank to exit (run_ranks)
     assert "resuming from" in preempted.stdout + preempted.stderr
-    assert f"exit code {EXIT_PREEMPTED}" in preempted.stderr or f"exitcode  : {EXIT_PREEMPTED}" in preempted.stderr
     assert "preempted: checkpoint" in preempted.stderr
     # on CPU processes agree every 10 steps: the all-reduce started at step 40 carries the flag, read at step 50
     state = json.loads((out / "checkpoints" / "step_50" / "trainer_state.json").read_text())

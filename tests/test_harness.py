@@ -1,12 +1,13 @@
-"""The harness's in-process runs (conftest.run_main): what `python train.py` gives (exit status, the error line,
-the files), and this process as it was before (environment, cwd, argv, logging, signal handlers, Accelerate)."""
+"""The harness's in-process runs (conftest.run_main) and forked ranks (conftest.run_ranks): what `python train.py` and
+`accelerate launch` give (exit status, the error line, the files), and this process as it was before (environment,
+cwd, argv, logging, signal handlers, Accelerate)."""
 
 import logging
 import os
 import signal
 import sys
 
-from tests.conftest import QUICK, read_metrics, run_main, run_train, series
+from tests.conftest import QUICK, read_metrics, run_main, run_on, run_train, series
 
 
 def process_state() -> dict:
@@ -31,4 +32,26 @@ def test_a_call_of_main_exits_writes_and_says_what_a_process_does(tmp_path):
         runs[name] += (series(read_metrics(out), "train/loss"), series(read_metrics(out), "eval/accuracy"))
     assert runs["in_process"] == runs["process"]
     assert runs["process"][:2] == (0, 2)
+    assert process_state() == before
+
+
+def test_forked_ranks_train_and_stop_as_a_launch_does(tmp_path):
+    """run_on(2) forks its ranks from this process; a real `accelerate launch` gives the same losses and metrics, the
+    same one error line for a refused run (exit status 2: run_ranks returns the rank's, the launcher reports it),
+    and the forking process stays as it was."""
+    before = process_state()
+    runs = {}
+    for name, run in (
+        ("launched", lambda *args: run_train(*args, processes=2)),
+        ("forked", lambda *args: run_on(2, *args)),
+    ):
+        out = tmp_path / name
+        ok = run(*QUICK, "--output_dir", str(out))
+        refused = run(*QUICK, "--output_dir", str(out))  # a run is already there
+        errors = [line.replace(str(out), "-") for line in refused.stderr.splitlines() if line.startswith("error: ")]
+        status = 2 if "exitcode  : 2" in refused.stderr else refused.returncode  # the launcher's own status is 1
+        runs[name] = (ok.returncode, status, errors, read_metrics(out)[0]["setup/world_size"])
+        runs[name] += (series(read_metrics(out), "train/loss"), series(read_metrics(out), "eval/accuracy"))
+    assert runs["forked"] == runs["launched"]
+    assert runs["forked"][:2] == (0, 2) and len(runs["forked"][2]) == 1 and runs["forked"][3] == 2
     assert process_state() == before

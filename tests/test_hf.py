@@ -23,7 +23,6 @@ from tests.conftest import (
     run_main,
     run_on,
     run_python,
-    run_train,
     run_with_hook,
     series,
     signal_at,
@@ -116,9 +115,9 @@ def test_eval_only_and_predictions_from_a_runs_model_folder(classified, assets, 
     exactly, without its train file, and one prediction per eval line, in order, by label name."""
     out = tmp_path / "eval"
     data = f"{{train: {tmp_path}/absent.jsonl, eval: {assets['eval']}}}"
-    result = run_train("--task", "text_classification", "--do_train", "false", "--do_predict", "true",
-                       "--model_name_or_path", str(classified[2]), "--data_files", data, "--output_dir", str(out),
-                       processes=2)  # fmt: skip
+    result = run_on(2, "--task", "text_classification", "--do_train", "false", "--do_predict", "true",
+                    "--model_name_or_path", str(classified[2]), "--data_files", data,
+                    "--output_dir", str(out))  # fmt: skip
     assert_ok(result)
     final = [row for row in read_metrics(classified[2]) if "eval/accuracy" in row][-1]
     results = json.loads((out / "eval_results.json").read_text())

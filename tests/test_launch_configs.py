@@ -13,8 +13,8 @@ from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.commands.launch import launch_command_parser
 from accelerate.utils import DistributedType, patch_environment
 
-from tests.conftest import REPO
-from tests.helpers import needs, resolve_launch
+from tests.conftest import REPO, resolve_launch
+from tests.helpers import needs
 
 CONFIGS = sorted((REPO / "accelerate_configs").glob("*.yaml"))
 
@@ -97,10 +97,10 @@ COMMENT_COMMANDS = [
 
 
 @pytest.mark.parametrize("path, command", COMMENT_COMMANDS)
-def test_comment_launch_command_parses_and_resolves(path, command, monkeypatch):
+def test_comment_launch_command_parses_and_resolves(path, command):
     words = shlex.split(command)
     assert words[:2] == ["accelerate", "launch"]
-    launched = resolve_launch(words[2:], monkeypatch)
+    launched = resolve_launch(words[2:])
     args, env = launched["args"], launched["env"]
     distributed_type, processes = EXPECTED[path.stem]
     if "--num_processes" in words:
@@ -117,7 +117,7 @@ def test_fsdp_config_reaches_accelerates_fsdp_plugin(monkeypatch):
     from torch.distributed.fsdp import StateDictType
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
-    env = resolve_launch(["--config_file", "accelerate_configs/fsdp.yaml", "train.py"], monkeypatch)["env"]
+    env = resolve_launch(["--config_file", "accelerate_configs/fsdp.yaml", "train.py"])["env"]
     assert env["ACCELERATE_MIXED_PRECISION"] == "bf16"
     with patch_environment(**{key: value for key, value in env.items() if key.startswith("FSDP_")}):
         plugin = FullyShardedDataParallelPlugin()  # as a worker builds it, from these variables
@@ -132,11 +132,11 @@ def test_fsdp_config_reaches_accelerates_fsdp_plugin(monkeypatch):
 
 @needs("deepspeed")
 @pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_config_reaches_accelerates_deepspeed_plugin(stage, monkeypatch):
+def test_deepspeed_config_reaches_accelerates_deepspeed_plugin(stage):
     from accelerate.utils import DeepSpeedPlugin
 
     argv = ["--config_file", f"accelerate_configs/deepspeed_zero{stage}.yaml", "train.py"]
-    env = resolve_launch(argv, monkeypatch)["env"]
+    env = resolve_launch(argv)["env"]
     assert env["ACCELERATE_MIXED_PRECISION"] == "bf16"
     with patch_environment(**{key: value for key, value in env.items() if key.startswith("ACCELERATE_")}):
         plugin = DeepSpeedPlugin()

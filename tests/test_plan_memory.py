@@ -10,7 +10,7 @@ import pytest
 
 from scripts import plan_memory
 from scripts.readme_commands import section_commands
-from tests.conftest import assert_ok, read_metrics, run_command, run_main, run_train
+from tests.conftest import assert_ok, read_metrics, run_command, run_main, run_on
 from tests.helpers import as_written, assert_bash_blocks_run, assert_error_line, needs
 
 
@@ -58,7 +58,7 @@ def test_sharded_bytes_match_a_real_two_process_run(tmp_path):
     plan = plan_of("--devices", "2", "--device_memory", "1GiB", tmp_path=tmp_path)
     out = tmp_path / "run"
     quick = ["--max_steps", "1", "--logging_steps", "1", "--do_eval", "false", "--mixed_precision", "no"]
-    assert_ok(run_train(*quick, "--output_dir", str(out), processes=2, config="fsdp"))
+    assert_ok(run_on(2, *quick, "--output_dir", str(out), config="fsdp"))
     assert_ok(run_main(*quick, "--output_dir", str(tmp_path / "one")))  # DDP holds what one process does
     for strategy, run in (("FSDP2", out), ("DDP", tmp_path / "one")):
         (logged,) = [r for r in read_metrics(run) if "memory/param_bytes" in r]

@@ -27,7 +27,7 @@ from tests.conftest import (
     read_metrics,
     run_command,
     run_main,
-    run_train,
+    run_on,
     run_with_hook,
     series,
     signal_at,
@@ -149,9 +149,8 @@ def test_the_best_model_is_loaded_and_saved_and_reloads_to_its_metric(sharded, t
     assert rows[-1]["best_model/step"] == 15 and best["eval/loss"] > series(rows, "eval/loss")[30]
     final = json.loads((out / "eval_results.json").read_text())  # the run's final metrics: the best model's
     assert final["eval/accuracy"] == best["eval/accuracy"] and final["eval/loss"] == pytest.approx(best["eval/loss"])
-    result = run_train("--do_train", "false", "--do_predict", "true", "--model_name_or_path", str(out / "model"),
-                       "--output_dir", str(tmp_path / "eval"), "--mixed_precision", "no",
-                       processes=2, config=config)  # fmt: skip
+    result = run_on(2, "--do_train", "false", "--do_predict", "true", "--model_name_or_path", str(out / "model"),
+                    "--output_dir", str(tmp_path / "eval"), "--mixed_precision", "no", config=config)  # fmt: skip
     assert_ok(result)
     evaluated = json.loads((tmp_path / "eval" / "eval_results.json").read_text())
     assert evaluated["eval/accuracy"] == best["eval/accuracy"] and evaluated["eval/num_samples"] == 359
@@ -233,7 +232,7 @@ def gpt2_sharded(request, hf_assets, tmp_path_factory):
     args = padded_lm(hf_assets, 4)
     args[args.index("--data_files") + 1] = hf_assets["data"].replace("}", f", test: {prompts}}}")
     generate = ["--do_predict", "true", "--max_new_tokens", "8"]
-    assert_ok(run_train(*args, *generate, "--output_dir", str(out), processes=2, config=request.param))
+    assert_ok(run_on(2, *args, *generate, "--output_dir", str(out), config=request.param))
     assert_processes(out, 2)
     return request.param, out
 
@@ -353,7 +352,7 @@ def test_a_checkpoint_converts_between_a_whole_model_and_fsdp2(fsdp_run, one_pro
         runpy.run_path(command[0], run_name="__main__")  # a UsageError would exit 2 (SystemExit fails the test)
     assert capsys.readouterr().out.startswith(f"{latest}: the checkpoint for {to}; resume with")
     resume = [*run_args("fsdp"), "--output_dir", str(out), "--resume_from_checkpoint", "latest"]
-    assert_ok(run_main(*resume) if to == "DDP" else run_train(*resume, processes=2, config="fsdp"))
+    assert_ok(run_on(1 if to == "DDP" else 2, *resume, config="fsdp"))
     rows, reference = read_metrics(out), read_metrics(one_process("fsdp"))
     strategy = "single process" if to == "DDP" else "FSDP2"
     assert [row["setup/strategy"] for row in rows if "setup/strategy" in row] == [strategy]

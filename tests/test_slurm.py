@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from scripts.readme_commands import section_commands
-from tests.conftest import REPO
-from tests.helpers import assert_bash_blocks_run, resolve_launch
+from tests.conftest import REPO, resolve_launch
+from tests.helpers import assert_bash_blocks_run
 
 SLURM = REPO / "scripts" / "slurm"
 SBATCH_SCRIPTS = sorted(SLURM.glob("*.sbatch"))
@@ -118,7 +118,7 @@ def test_sbatch_script_has_the_requeue_settings(script):
     assert f"sbatch scripts/slurm/{script.name} --config configs/default.yaml" in text  # the usage line
 
 
-def test_single_node_sbatch_runs_ddp_on_all_gpus(slurm, monkeypatch):
+def test_single_node_sbatch_runs_ddp_on_all_gpus(slurm):
     from src.cli import parse_config
 
     user_args = ["--config", "configs/default.yaml", "--max_steps", "5"]
@@ -126,7 +126,7 @@ def test_single_node_sbatch_runs_ddp_on_all_gpus(slurm, monkeypatch):
     assert result.returncode == 0, result.stderr
     program, *argv = slurm.launched()
     assert program == "accelerate" and argv[0] == "launch"
-    launched = resolve_launch(argv[1:], monkeypatch)
+    launched = resolve_launch(argv[1:])
     assert launched["launcher"] == "multi_gpu" and launched["args"].num_processes == 4
     assert launched["args"].config_file == "accelerate_configs/ddp.yaml"
     train_args = launched["args"].training_script_args
@@ -145,14 +145,14 @@ def test_single_node_sbatch_with_one_gpu_runs_one_process(slurm):
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-def test_multi_node_sbatch_gives_every_node_its_rank_and_the_c10d_endpoint(slurm, config, monkeypatch):
+def test_multi_node_sbatch_gives_every_node_its_rank_and_the_c10d_endpoint(slurm, config):
     env = {"SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "gpu-node-[1-2]", "SLURM_GPUS_ON_NODE": "8"}
     result = slurm.run(SLURM / "multi_node.sbatch", ACCELERATE_CONFIG=f"accelerate_configs/{config}.yaml", **env)
     assert result.returncode == 0, result.stderr
     for node in (0, 1):
         program, *argv = slurm.launched(node)
         assert program == "accelerate" and argv[0] == "launch"
-        args = resolve_launch(argv[1:], monkeypatch)["args"]
+        args = resolve_launch(argv[1:])["args"]
         assert args.machine_rank == node  # expanded on each node, not once in the batch script
         assert (args.num_processes, args.num_machines, args.nproc_per_node) == (16, 2, "8")
         assert args.rdzv_backend == "c10d"
@@ -166,7 +166,7 @@ def test_cpu_sbatch_splits_the_cpus_between_processes(slurm, monkeypatch):
     assert slurm.launched_env()["OMP_NUM_THREADS"] == "4"
     program, *argv = slurm.launched()
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
-    launched = resolve_launch(argv[1:], monkeypatch)
+    launched = resolve_launch(argv[1:])
     assert launched["launcher"] == "multi_gpu" and launched["args"].num_processes == 4
     assert launched["env"]["OMP_NUM_THREADS"] == "4"  # accelerate passes it on to every worker
 
