@@ -24,10 +24,9 @@ from tests.conftest import (
     REPO,
     assert_ok,
     assert_processes,
-    launch_command,
     read_metrics,
-    run_command,
     run_main,
+    run_ranks,
     series,
 )
 from tests.helpers import assert_error_line, guide_task_commands
@@ -189,8 +188,7 @@ def test_the_guides_ema_is_the_same_on_1_and_2_processes_and_survives_a_resume(t
             (out / "ema0").mkdir()
             save_file(ema.model.state_dict(), out / "ema0" / "model.safetensors")
         else:
-            command = [part if part != "train.py" else str(script) for part in launch_command(processes)]
-            assert_ok(run_command([*command, *args]))
+            assert_ok(run_ranks(script, args, processes))
         assert_processes(out, processes)
         averages = [load_file(out / f"ema{rank}" / "model.safetensors") for rank in range(processes)]
         for other in averages[1:]:  # each process's copy is the same

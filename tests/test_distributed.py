@@ -15,8 +15,9 @@ from tests.conftest import (
     launch_command,
     read_metrics,
     run_command,
-    run_on,
+    run_main,
     run_python,
+    run_train,
     series,
 )
 from tests.helpers import as_written, needs, readme_command
@@ -31,7 +32,8 @@ def one_and_two_processes(tmp_path_factory):
     runs = {}
     for processes in (1, 2):
         output_dir = tmp_path_factory.mktemp(f"p{processes}") / "run"
-        result = run_on(processes, *SAME_RUN, "--output_dir", str(output_dir))
+        args = [*SAME_RUN, "--output_dir", str(output_dir)]
+        result = run_main(*args) if processes == 1 else run_train(*args, processes=2)  # the README's launch, for real
         assert_ok(result)
         runs[processes] = (result, read_metrics(output_dir))
     return runs

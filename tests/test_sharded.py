@@ -25,9 +25,10 @@ from tests.conftest import (
     assert_processes,
     launch_command,
     read_metrics,
-    run_command,
     run_main,
     run_on,
+    run_ranks,
+    run_train,
     run_with_hook,
     series,
     signal_at,
@@ -91,7 +92,7 @@ def killed_and_resumed(config: str, root) -> tuple:
     killed = run_with_hook(root, args, signal_at(KILLED_AT), processes=2, config=config, env=env)
     assert killed.returncode != 0
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_10", "step_15"]
-    resumed = run_with_hook(root, args, processes=2, config=config, env=env)
+    resumed = run_train(*args, processes=2, config=config, env=env)  # the README's command, launched for real
     assert_ok(resumed)
     return config, out, resumed.stdout + resumed.stderr
 
@@ -195,8 +196,9 @@ def test_a_sharded_checkpoint_resumes_only_under_its_own_strategy(sharded, tmp_p
 
 
 def test_the_readme_launch_command_of_each_strategy_is_the_one_run_here():
-    """The README's `accelerate launch --config_file accelerate_configs/<strategy>.yaml train.py` is what these tests
-    launch (with a free port, and 2 processes as the config says), so tests/test_readme.py does not run it again."""
+    """The README's `accelerate launch --config_file accelerate_configs/<strategy>.yaml train.py` is what each
+    strategy's resumed run launches (with a free port, and 2 processes as the config says; the other multi-process
+    runs here fork their ranks), so tests/test_readme.py does not run it again."""
     commands = section_commands("Launch on any hardware")
     for config in STRATEGIES:
         assert readme_command(config) in commands
@@ -284,9 +286,8 @@ def test_an_fsdp2_checkpoint_continues_on_another_process_count(fsdp_run, one_pr
     reference = read_metrics(one_process("fsdp"))
     out = tmp_path / "run"
     shutil.copytree(trained / "checkpoints" / "step_15", out / "checkpoints" / "step_15")  # latest and best
-    command = launch_command(2, "fsdp")
-    command[command.index("--num_processes") + 1] = str(processes)  # the launcher's, even for 1: FSDP2 on 1 process
-    result = run_command([*command, *run_args("fsdp"), "--output_dir", str(out), "--resume_from_checkpoint", "latest"])
+    resume = [*run_args("fsdp"), "--output_dir", str(out), "--resume_from_checkpoint", "latest"]
+    result = run_ranks(REPO / "train.py", resume, processes, config="fsdp")  # launched, even 1: FSDP2 on 1 process
     assert_ok(result)
     assert "checkpoints/step_15 at step 15" in result.stdout + result.stderr  # "resuming from ..."
     rows = read_metrics(out)
