@@ -35,10 +35,10 @@ def test_a_call_of_main_exits_writes_and_says_what_a_process_does(tmp_path):
     assert process_state() == before
 
 
-def test_forked_ranks_train_and_stop_as_a_launch_does(tmp_path):
-    """run_on(2) forks its ranks from this process; a real `accelerate launch` gives the same losses and metrics, the
-    same one error line for a refused run (exit status 2: run_ranks returns the rank's, the launcher reports it),
-    and the forking process stays as it was."""
+def test_forked_ranks_train_as_a_launch_does_and_stop_as_a_process_does(tmp_path):
+    """run_on(2) forks its ranks from this process: a real `accelerate launch` of the same run gives the same losses,
+    metrics and world size; a refused run exits with its ranks' status (2) and its one error line (the launcher's own
+    status would be 1, its report naming the 2); the forking process stays as it was."""
     before = process_state()
     runs = {}
     for name, run in (
@@ -46,12 +46,11 @@ def test_forked_ranks_train_and_stop_as_a_launch_does(tmp_path):
         ("forked", lambda *args: run_on(2, *args)),
     ):
         out = tmp_path / name
-        ok = run(*QUICK, "--output_dir", str(out))
-        refused = run(*QUICK, "--output_dir", str(out))  # a run is already there
-        errors = [line.replace(str(out), "-") for line in refused.stderr.splitlines() if line.startswith("error: ")]
-        status = 2 if "exitcode  : 2" in refused.stderr else refused.returncode  # the launcher's own status is 1
-        runs[name] = (ok.returncode, status, errors, read_metrics(out)[0]["setup/world_size"])
-        runs[name] += (series(read_metrics(out), "train/loss"), series(read_metrics(out), "eval/accuracy"))
-    assert runs["forked"] == runs["launched"]
-    assert runs["forked"][:2] == (0, 2) and len(runs["forked"][2]) == 1 and runs["forked"][3] == 2
+        assert run(*QUICK, "--output_dir", str(out)).returncode == 0
+        rows = read_metrics(out)
+        runs[name] = (rows[0]["setup/world_size"], series(rows, "train/loss"), series(rows, "eval/accuracy"))
+    assert runs["forked"] == runs["launched"] and runs["forked"][0] == 2
+    refused = run_on(2, *QUICK, "--output_dir", str(out))  # a run is already there
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
+    assert refused.returncode == 2 and len(errors) == 1 and f"{out} already holds a run" in errors[0]
     assert process_state() == before

@@ -19,6 +19,7 @@ from tests.conftest import (
     read_metrics,
     run_command,
     run_main,
+    run_on,
     run_python,
     series,
 )
@@ -35,16 +36,15 @@ def offline_runs(out) -> list:
 
 @pytest.fixture(scope="module")
 def wandb_and_mlflow(tmp_path_factory):
-    """(output_dir, console) of one 2-process launch with stdin closed that reports to wandb, without credentials, and
-    to MLflow, without MLFLOW_TRACKING_URI; and whether mlruns/ or mlflow.db were in the repository before it. Read,
-    not changed, by the tests (the resume test continues a copy)."""
+    """(output_dir, console) of one 2-process run (forked ranks, stdin closed) that reports to wandb, without
+    credentials, and to MLflow, without MLFLOW_TRACKING_URI; and whether mlruns/ or mlflow.db were in the repository
+    before it. Read, not changed, by the tests (the resume test continues a copy)."""
     home = tmp_path_factory.mktemp("home")
     out = home / "run"
     args = [*QUICK, "--output_dir", str(out), "--report_to", "wandb,mlflow", "--run_name", "r1",
             "--run_group", "sweep1", "--save_steps", "3"]  # fmt: skip
     in_repo = {name: (REPO / name).exists() for name in ("mlruns", "mlflow.db")}
-    result = run_command([*launch_command(2), *args], env={**no_wandb_credentials(home), "MLFLOW_TRACKING_URI": None},
-                         timeout=120)  # fmt: skip
+    result = run_on(2, *args, env={**no_wandb_credentials(home), "MLFLOW_TRACKING_URI": None})
     assert_ok(result)
     assert_processes(out, 2)
     return out, result.stdout + result.stderr, in_repo
@@ -53,7 +53,7 @@ def wandb_and_mlflow(tmp_path_factory):
 @pytest.mark.slow
 def test_wandb_without_credentials_goes_offline_on_two_processes(wandb_and_mlflow):
     out, console, _ = wandb_and_mlflow
-    assert len(offline_runs(out)) == 1  # one run per launch, made by the main process alone
+    assert len(offline_runs(out)) == 1  # one wandb run per run, made by the main process alone
     assert console.count("wandb: no API key found, logging offline") == 1
 
 
@@ -62,7 +62,7 @@ NEEDS_SCRIPT = pytest.mark.skipif(shutil.which("script") is None, reason="needs 
 
 @pytest.fixture(scope="module")
 def resumed_in_a_terminal(wandb_and_mlflow, tmp_path_factory):
-    """(output_dir, console) of the launch above (6 steps, checkpoints at 3 and 6) resumed on 2 processes in a
+    """(output_dir, console) of the run above (6 steps, checkpoints at 3 and 6) resumed on 2 processes in a
     pseudo-terminal with a size, as a user's is (`script` alone makes a 0x0 one, where tqdm hides the bar): 4 more
     steps reported to wandb, still without credentials. `script` merges both streams into stdout."""
     first, _, _ = wandb_and_mlflow
@@ -84,14 +84,14 @@ def test_wandb_without_credentials_in_a_terminal_does_not_prompt(resumed_in_a_te
     """The 2-process launch in a terminal (stdin a terminal too) went offline instead of prompting: one more
     offline run, a line saying so."""
     out, console = resumed_in_a_terminal
-    assert len(offline_runs(out)) == 2  # the first launch's and this one's
+    assert len(offline_runs(out)) == 2  # the first run's and this one's
     assert "no API key found, logging offline" in console
 
 
 @pytest.mark.slow
 @NEEDS_SCRIPT
 def test_resumed_run_continues_the_same_wandb_run(resumed_in_a_terminal):
-    """The first launch resumed by a start of 10 steps that reports to wandb: it logs to the same wandb run (a second
+    """The first run resumed by a start of 10 steps that reports to wandb: it logs to the same wandb run (a second
     offline folder with the first one's id)."""
     out, console = resumed_in_a_terminal
     assert "resuming from" in console
