@@ -3,8 +3,12 @@
 import contextlib
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -77,7 +81,6 @@ def run_main(*args: str, env: dict | None = None, cwd: Path = REPO) -> subproces
     import io
     import logging
     import random
-    import signal
     import traceback
 
     import numpy as np
@@ -177,66 +180,70 @@ def resolve_launch(argv: list[str]) -> dict:
 def run_ranks(script: Path, args: list[str], processes: int, config: str = "ddp", env: dict | None = None,
               timeout: float = 300) -> subprocess.CompletedProcess:  # fmt: skip
     """`accelerate launch --config_file accelerate_configs/<config>.yaml --num_processes N script args`, its N ranks
-    forked from this process, as torch's own distributed tests fork theirs: each rank gets the variables accelerate's
-    launch code computes (resolve_launch) and torchrun adds, and runs `script` as `python script args` would, without
-    paying the imports again (~4 CPU-s a rank, ~1.6 more for the launcher). As torchrun does, the first rank to fail
-    stops the others. The exit status is the first failing rank's (torchrun's own is 1); stdout and stderr are the
-    ranks' in rank order. What a launch itself does (its signals, its report, scripts/launch.py) runs a real one."""
-    import shutil
-    import tempfile
-    import time
+    forked from this process (run_forked), as torch's own distributed tests fork theirs: each rank gets the variables
+    accelerate's launch code computes (resolve_launch) and torchrun adds. The exit status is the first failing rank's
+    (torchrun's own is 1). What a launch itself does (its signals, its report, scripts/launch.py) runs a real one."""
+    launch = ["--config_file", f"accelerate_configs/{config}.yaml", "--num_processes", str(processes)]
+    port, error_files = free_port(), Path(tempfile.mkdtemp(prefix="ranks-"))  # first_to_say's claims go there too
+    launched = resolve_launch([*launch, "--main_process_port", str(port), str(script), *args])
+    variables = {k: v for k, v in launched["env"].items() if os.environ.get(k) != v}
+    environments = [command_env({
+        **variables, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "WORLD_SIZE": str(processes),
+        "LOCAL_WORLD_SIZE": str(processes), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "TORCHELASTIC_RUN_ID": error_files.name, "TORCHELASTIC_ERROR_FILE": str(error_files / str(rank) / "error.json"),
+        **(env or {}),
+    }) for rank in range(processes)]  # fmt: skip
+    try:
+        result = run_forked(script, args, environments, timeout=timeout)
+    finally:
+        shutil.rmtree(error_files, ignore_errors=True)
+    command = ["accelerate", "launch", *launch, str(script), *args]
+    return subprocess.CompletedProcess(command, result.returncode, result.stdout, result.stderr)
 
+
+def run_forked(script: Path, args: list[str], environments: list[dict], cwd: Path = REPO, timeout: float = 300):
+    """`python script args` in `cwd`, once in each of `environments` (command_env's), each a process forked from this
+    one that runs `script` as the interpreter would, without paying the imports again (~4 CPU-s a process for torch and
+    the optimizer's torch._dynamo). As torchrun does, the first process to fail stops the others. Returns
+    (command, the first failing process's exit status or 0, their stdout and stderr, each in process order)."""
     import torch._dynamo  # noqa: F401  (the optimizer's first step imports it: ~1.3 s a process)
 
     import train  # noqa: F401
 
-    launch = ["--config_file", f"accelerate_configs/{config}.yaml", "--num_processes", str(processes)]
-    port = free_port()
-    launched = resolve_launch([*launch, "--main_process_port", str(port), str(script), *args])
-    variables = {k: v for k, v in launched["env"].items() if os.environ.get(k) != v}
-    folder = Path(tempfile.mkdtemp(prefix="ranks-"))
+    folder = Path(tempfile.mkdtemp(prefix="forked-"))
     pids = []
-    for rank in range(processes):
-        rank_variables = {
-            **variables, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "WORLD_SIZE": str(processes),
-            "LOCAL_WORLD_SIZE": str(processes), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "TORCHELASTIC_RUN_ID": folder.name, "TORCHELASTIC_ERROR_FILE": str(folder / str(rank) / "error.json"),
-        }  # fmt: skip
+    for index, environment in enumerate(environments):
         sys.stdout.flush(), sys.stderr.flush()
         pid = os.fork()
-        if pid == 0:  # the rank: it never returns from here
-            run_as_script(script, args, command_env({**rank_variables, **(env or {})}), folder / str(rank))
+        if pid == 0:  # the child: it never returns from here
+            run_as_script(script, args, environment, cwd, folder / str(index))
         pids.append(pid)
-    codes: dict[int, int] = {}  # rank -> exit status, in the order they ended
+    codes: dict[int, int] = {}  # index -> exit status, in the order they ended
     deadline = time.monotonic() + timeout
-    while len(codes) < processes:
-        for rank, pid in enumerate(pids):
-            if rank not in codes and (status := os.waitpid(pid, os.WNOHANG))[0]:
-                codes[rank] = os.waitstatus_to_exitcode(status[1])
-        failed = any(codes.values())
-        if failed or time.monotonic() > deadline:
-            for rank, pid in enumerate(pids):
-                if rank not in codes:
-                    os.kill(pid, 9)
-                    codes[rank] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-            if not failed:
-                raise subprocess.TimeoutExpired(launched["args"].training_script, timeout)
+    while len(codes) < len(pids):
         time.sleep(0.05)
-    outputs = [((folder / str(rank) / "stdout").read_text(), (folder / str(rank) / "stderr").read_text())
-               for rank in range(processes)]  # fmt: skip
+        for index, pid in enumerate(pids):
+            if index not in codes and (ended := os.waitpid(pid, os.WNOHANG))[0]:
+                codes[index] = os.waitstatus_to_exitcode(ended[1])
+        if any(codes.values()) or time.monotonic() > deadline:
+            for index, pid in enumerate(pids):
+                if index not in codes:
+                    os.kill(pid, signal.SIGKILL)
+                    codes[index] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    outputs = [[(folder / str(index) / name).read_text() for index in range(len(pids))] for name in ("out", "err")]
     shutil.rmtree(folder)
+    if not any(codes.values()) and len(codes) < len(pids):
+        raise subprocess.TimeoutExpired([str(script), *args], timeout)
     status = next((code for code in codes.values() if code), 0)
-    command = ["accelerate", "launch", *launch, str(script), *args]
-    return subprocess.CompletedProcess(command, status, *("".join(streams) for streams in zip(*outputs, strict=True)))
+    return subprocess.CompletedProcess([sys.executable, str(script), *args], status, *("".join(o) for o in outputs))
 
 
-def run_as_script(script: Path, args: list[str], env: dict, folder: Path) -> None:
-    """In a forked rank: run `script` as `python script args` would in `env` (stdout and stderr to files in `folder`,
-    stdin closed), then exit with its status, at-exit functions and all; nothing returns to the caller's code."""
+def run_as_script(script: Path, args: list[str], env: dict, cwd: Path, folder: Path) -> None:
+    """In a forked process: run `script` as `python script args` would in `env` and `cwd` (stdout and stderr to files
+    in `folder`, stdin closed), then exit with its status, at-exit functions and all; nothing returns to the caller."""
     import atexit
     import logging
     import runpy
-    import signal
     import traceback
     import warnings
 
@@ -246,7 +253,7 @@ def run_as_script(script: Path, args: list[str], env: dict, folder: Path) -> Non
     status = 1
     try:
         folder.mkdir()
-        for fd, path in ((0, os.devnull), (1, folder / "stdout"), (2, folder / "stderr")):
+        for fd, path in ((0, os.devnull), (1, folder / "out"), (2, folder / "err")):
             opened = os.open(path, os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT)
             os.dup2(opened, fd)
             os.close(opened)
@@ -271,7 +278,7 @@ def run_as_script(script: Path, args: list[str], env: dict, folder: Path) -> Non
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a pytest-xdist worker ignores it
         os.environ.clear()
         os.environ.update(env)
-        os.chdir(REPO)
+        os.chdir(cwd)
         sys.argv, sys.path[0:0] = [str(script), *args], [str(script.parent)]
         torch.set_num_threads(1)
         AcceleratorState._reset_state(reset_partial_state=True)
@@ -380,11 +387,14 @@ def run_with_hook(
     config: str = "ddp",
     **kwargs,
 ):
+    """`python wrapped_train.py args`, train.py through WRAPPER, in a process forked from this one (run_forked), or on
+    N forked ranks (run_ranks). `kwargs`: env, cwd, timeout."""
     script = tmp_path / "wrapped_train.py"
     script.write_text(WRAPPER.format(repo=str(REPO), hook=hook, extra=extra))
     if processes > 1:
         return run_ranks(script, args, processes, config=config, **kwargs)
-    return run_command([sys.executable, str(script), *args], **kwargs)
+    env, cwd = command_env(kwargs.pop("env", None)), kwargs.pop("cwd", REPO)
+    return run_forked(script, args, [env], cwd=cwd, **kwargs)
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
