@@ -204,8 +204,8 @@ def run_ranks(script: Path, args: list[str], processes: int, config: str = "ddp"
 def run_forked(script: Path, args: list[str], environments: list[dict], cwd: Path = REPO, timeout: float = 300):
     """`python script args` in `cwd`, once in each of `environments` (command_env's), each a process forked from this
     one that runs `script` as the interpreter would, without paying the imports again (~4 CPU-s a process for torch and
-    the optimizer's torch._dynamo). As torchrun does, the first process to fail stops the others. Returns
-    (command, the first failing process's exit status or 0, their stdout and stderr, each in process order)."""
+    the optimizer's torch._dynamo). As torchrun does, the first process to fail stops the others. The exit status is
+    the first failing process's (or 0); stdout and stderr are theirs, in the order of `environments`."""
     import torch._dynamo  # noqa: F401  (the optimizer's first step imports it: ~1.3 s a process)
 
     import train  # noqa: F401
@@ -219,21 +219,22 @@ def run_forked(script: Path, args: list[str], environments: list[dict], cwd: Pat
             run_as_script(script, args, environment, cwd, folder / str(index))
         pids.append(pid)
     codes: dict[int, int] = {}  # index -> exit status, in the order they ended
-    deadline = time.monotonic() + timeout
+    deadline, timed_out = time.monotonic() + timeout, False
     while len(codes) < len(pids):
         time.sleep(0.05)
         for index, pid in enumerate(pids):
             if index not in codes and (ended := os.waitpid(pid, os.WNOHANG))[0]:
                 codes[index] = os.waitstatus_to_exitcode(ended[1])
-        if any(codes.values()) or time.monotonic() > deadline:
+        timed_out = not any(codes.values()) and time.monotonic() > deadline
+        if any(codes.values()) or timed_out:
             for index, pid in enumerate(pids):
                 if index not in codes:
                     os.kill(pid, signal.SIGKILL)
                     codes[index] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     outputs = [[(folder / str(index) / name).read_text() for index in range(len(pids))] for name in ("out", "err")]
     shutil.rmtree(folder)
-    if not any(codes.values()) and len(codes) < len(pids):
-        raise subprocess.TimeoutExpired([str(script), *args], timeout)
+    if timed_out:
+        raise subprocess.TimeoutExpired([str(script), *args], timeout, *("".join(o) for o in outputs))
     status = next((code for code in codes.values() if code), 0)
     return subprocess.CompletedProcess([sys.executable, str(script), *args], status, *("".join(o) for o in outputs))
 
@@ -252,6 +253,7 @@ def run_as_script(script: Path, args: list[str], env: dict, cwd: Path, folder: P
 
     status = 1
     try:
+        atexit._clear()  # the forking process's (pytest's) are not this one's
         folder.mkdir()
         for fd, path in ((0, os.devnull), (1, folder / "out"), (2, folder / "err")):
             opened = os.open(path, os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT)
@@ -260,7 +262,6 @@ def run_as_script(script: Path, args: list[str], env: dict, cwd: Path, folder: P
         before = {1: (sys.stdout, sys.__stdout__), 2: (sys.stderr, sys.__stderr__)}
         sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115  (pytest's capture replaced both in this process)
         sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
-        atexit._clear()  # the forking process's (pytest's) are not this one's
         logging.root.handlers.clear()  # pytest's; a fresh interpreter's root logger has none
         for logger in logging.root.manager.loggerDict.values():  # the libraries' own (transformers') write here
             for handler in getattr(logger, "handlers", []):
@@ -270,9 +271,9 @@ def run_as_script(script: Path, args: list[str], env: dict, cwd: Path, folder: P
         for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
             warnings.simplefilter("ignore", category)
         warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
-        warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: sys.stderr.write(
-            warnings.formatwarning(message, category, filename, lineno, line)
-        )
+        warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: (
+            file or sys.stderr
+        ).write(warnings.formatwarning(message, category, filename, lineno, line))
         for number in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
             signal.signal(number, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a pytest-xdist worker ignores it
@@ -291,10 +292,11 @@ def run_as_script(script: Path, args: list[str], env: dict, cwd: Path, folder: P
                 status = stop.code or 0
             else:
                 print(stop.code, file=sys.stderr)
-        atexit._run_exitfuncs()
     except BaseException:  # as the interpreter reports an uncaught exception: its traceback, exit status 1
         traceback.print_exc()
     finally:
+        with contextlib.suppress(BaseException):
+            atexit._run_exitfuncs()  # as the interpreter does on its way out
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
