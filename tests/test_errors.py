@@ -217,10 +217,10 @@ def test_broken_accelerate_config(tmp_path, capsys):
     assert_error_line(result, r"accelerate config .*broken\.yaml is invalid \('MULTI_GPUX' is not a valid")
 
 
-def run_ranks(args: list[str], folder: Path, processes: int = 2) -> list[subprocess.CompletedProcess]:
+def ranks_run_to_their_end(args: list[str], folder: Path, processes: int = 2) -> list[subprocess.CompletedProcess]:
     """`python train.py args` on `processes` processes, each started with the variables torchrun gives its workers
     (one launch folder for their TORCHELASTIC_ERROR_FILE, as first_to_say reads it) and each waited for to its own end:
-    torchrun stops the others once one exits, so its report can't show how a slower rank would have ended."""
+    torchrun (and conftest's run_ranks) stop the others once one exits, so neither shows how a slower rank ends."""
     command, port, ranks = [sys.executable, "train.py", *args], str(free_port()), []
     (folder / "launch").mkdir()
     for rank in range(processes):
@@ -267,7 +267,7 @@ def test_a_line_every_rank_finds_is_said_by_the_first(tmp_path, monkeypatch):
 def test_bad_input_on_two_processes_stops_both(tmp_path, build_args, pattern):
     """Both processes find the problem before any collective and exit 2: none is left waiting for the other. The
     line they both would say comes once (src/errors.py: first_to_say)."""
-    ranks = run_ranks([*QUICK, "--output_dir", str(tmp_path / "run"), *build_args(tmp_path)], tmp_path)
+    ranks = ranks_run_to_their_end([*QUICK, "--output_dir", str(tmp_path / "run"), *build_args(tmp_path)], tmp_path)
     assert [rank.returncode for rank in ranks] == [2, 2]
     errors = [line for rank in ranks for line in rank.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and pattern in errors[0]
