@@ -187,18 +187,24 @@ def run_ranks(script: Path, args: list[str], processes: int, config: str = "ddp"
     port, error_files = free_port(), Path(tempfile.mkdtemp(prefix="ranks-"))  # first_to_say's claims go there too
     launched = resolve_launch([*launch, "--main_process_port", str(port), str(script), *args])
     variables = {k: v for k, v in launched["env"].items() if os.environ.get(k) != v}
-    environments = [command_env({
-        **variables, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "WORLD_SIZE": str(processes),
-        "LOCAL_WORLD_SIZE": str(processes), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-        "TORCHELASTIC_RUN_ID": error_files.name, "TORCHELASTIC_ERROR_FILE": str(error_files / str(rank) / "error.json"),
-        **(env or {}),
-    }) for rank in range(processes)]  # fmt: skip
+    environments = [command_env({**variables, **torchrun_variables(rank, processes, port, error_files), **(env or {})})
+                    for rank in range(processes)]  # fmt: skip
     try:
         result = run_forked(script, args, environments, timeout=timeout)
     finally:
         shutil.rmtree(error_files, ignore_errors=True)
     command = ["accelerate", "launch", *launch, str(script), *args]
     return subprocess.CompletedProcess(command, result.returncode, result.stdout, result.stderr)
+
+
+def torchrun_variables(rank: int, processes: int, port: int, error_files: Path) -> dict[str, str]:
+    """What torchrun gives rank `rank` of `processes` on one machine; `error_files` is the launch's folder of
+    TORCHELASTIC_ERROR_FILEs, where first_to_say claims its lines."""
+    return {
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "WORLD_SIZE": str(processes),
+        "LOCAL_WORLD_SIZE": str(processes), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "TORCHELASTIC_RUN_ID": error_files.name, "TORCHELASTIC_ERROR_FILE": str(error_files / str(rank) / "error.json"),
+    }  # fmt: skip
 
 
 def run_forked(script: Path, args: list[str], environments: list[dict], cwd: Path = REPO, timeout: float = 300):

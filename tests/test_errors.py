@@ -27,6 +27,7 @@ from tests.conftest import (
     run_main,
     run_with_hook,
     signal_at,
+    torchrun_variables,
 )
 from tests.helpers import assert_error_line
 
@@ -221,14 +222,10 @@ def ranks_run_to_their_end(args: list[str], folder: Path, processes: int = 2) ->
     """`python train.py args` on `processes` processes, each started with the variables torchrun gives its workers
     (one launch folder for their TORCHELASTIC_ERROR_FILE, as first_to_say reads it) and each waited for to its own end:
     torchrun (and conftest's run_ranks) stop the others once one exits, so neither shows how a slower rank ends."""
-    command, port, ranks = [sys.executable, "train.py", *args], str(free_port()), []
+    command, port, ranks = [sys.executable, "train.py", *args], free_port(), []
     (folder / "launch").mkdir()
     for rank in range(processes):
-        variables = {
-            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(processes),
-            "LOCAL_WORLD_SIZE": str(processes), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-            "TORCHELASTIC_ERROR_FILE": str(folder / "launch" / str(rank) / "error.json"),
-        }  # fmt: skip
+        variables = torchrun_variables(rank, processes, port, folder / "launch")
         with open(folder / f"{rank}.out", "w") as out, open(folder / f"{rank}.err", "w") as err:
             ranks.append(subprocess.Popen(command, cwd=REPO, env=command_env(variables), stdout=out, stderr=err,
                                           stdin=subprocess.DEVNULL))  # fmt: skip
