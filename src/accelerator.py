@@ -48,6 +48,13 @@ class Accelerator(accelerate.Accelerator):
             return torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None], norm_type)
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type)
 
+    def prepare(self, *args, device_placement=None):
+        """Upstream's. Unless the run is DeepSpeed, deepspeed stays unimported: on FSDP2 upstream imports it (~2 s of
+        CPU a process where it is installed, and transformers with it) only to find the model is no DeepSpeedEngine."""
+        deepspeed_run = self.distributed_type == accelerate.utils.DistributedType.DEEPSPEED
+        with contextlib.nullcontext() if deepspeed_run else hidden("deepspeed"):
+            return super().prepare(*args, device_placement=device_placement)
+
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
         """Upstream's. On N processes it imports `datasets` (~50 MB, ~0.5 s) only to ask whether the loader holds a
         datasets IterableDataset, which it can't where datasets was never imported: it stays unimported then."""
