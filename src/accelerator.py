@@ -49,10 +49,9 @@ class Accelerator(accelerate.Accelerator):
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type)
 
     def prepare(self, *args, device_placement=None):
-        """Upstream's. Unless the run is DeepSpeed, deepspeed stays unimported: on FSDP2 upstream imports it (~2 s of
-        CPU a process where it is installed, and transformers with it) only to find the model is no DeepSpeedEngine."""
-        deepspeed_run = self.distributed_type == accelerate.utils.DistributedType.DEEPSPEED
-        with contextlib.nullcontext() if deepspeed_run else hidden("deepspeed"):
+        """Upstream's. On FSDP2 it imports deepspeed wherever installed (transformers with it: ~5 CPU-s a process of
+        4 on 2 cores) only to find the model is no DeepSpeedEngine: not unless the run is DeepSpeed."""
+        with deepspeed_only_if_used(self):
             return super().prepare(*args, device_placement=device_placement)
 
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
@@ -66,6 +65,14 @@ class Accelerator(accelerate.Accelerator):
         if self.plain and type(prepared) is AcceleratedOptimizer:
             prepared.__class__ = PlainOptimizer  # the same object (registered for checkpoints), lighter per step
         return prepared
+
+
+def deepspeed_only_if_used(accelerator: accelerate.Accelerator):
+    """A context in which deepspeed looks uninstalled unless the run is DeepSpeed: Accelerate's `prepare` (FSDP2) and
+    `unwrap_model` import it wherever it is installed, just to test for a DeepSpeedEngine."""
+    if accelerator.distributed_type == accelerate.utils.DistributedType.DEEPSPEED:
+        return contextlib.nullcontext()
+    return hidden("deepspeed")
 
 
 class PlainOptimizer(AcceleratedOptimizer):

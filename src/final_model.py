@@ -1,16 +1,14 @@
 """The final model: `output_dir/model/` in the task's format, written from every process's shards, and read back
 (`--model_name_or_path` a run, its model/ or a checkpoint)."""
 
-import contextlib
 from dataclasses import replace
 from pathlib import Path
 
 import yaml
-from accelerate.utils import DistributedType
 
+from src.accelerator import deepspeed_only_if_used
 from src.config import TrainConfig
 from src.errors import UsageError, one_line
-from src.imports import hidden
 from src.run_dir import CONFIG_FILE, MODEL_DIR, STATE_FILE
 
 
@@ -25,8 +23,7 @@ def export_model(accelerator, task, model, directory: Path) -> None:
     """task.save_model into `directory` (model/, or a checkpoint's model/). Unless the run is DeepSpeed, deepspeed
     looks uninstalled meanwhile: Accelerate's unwrap_model (in save_model and get_state_dict) would import it (~1 s and
     ~55 MB: it brings mlflow) only to find no DeepSpeedEngine."""
-    deepspeed_run = accelerator.distributed_type == DistributedType.DEEPSPEED
-    with contextlib.nullcontext() if deepspeed_run else hidden("deepspeed"):
+    with deepspeed_only_if_used(accelerator):
         task.save_model(accelerator, model, directory)
 
 

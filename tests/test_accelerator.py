@@ -71,27 +71,22 @@ def test_fsdp_switched_on_after_the_build_takes_upstreams_calls():
 
 
 @pytest.mark.parametrize("distributed_type", ["FSDP", "DEEPSPEED"])
-def test_prepare_leaves_deepspeed_unimported_unless_the_run_is_deepspeed(distributed_type, monkeypatch):
+def test_prepare_leaves_deepspeed_unimported_unless_the_run_is_deepspeed(
+    distributed_type, monkeypatch, fresh_accelerate_state
+):
     """Upstream's FSDP2 prepare imports deepspeed wherever it is installed, to look for a DeepSpeedEngine; inside
     prepare it looks uninstalled unless the run is DeepSpeed (whose prepare needs it)."""
     import sys
 
-    from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import DistributedType
 
     seen = []
     monkeypatch.setattr(accelerate.Accelerator, "prepare", lambda self, *args, **kwargs: seen.append(
         sys.modules.get("deepspeed", "importable")) or args)  # fmt: skip
     monkeypatch.delitem(sys.modules, "deepspeed", raising=False)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
     accelerator = Accelerator(cpu=True)
     accelerator.state.distributed_type = DistributedType[distributed_type]
-    try:
-        model = nn.Linear(2, 2)
-        assert accelerator.prepare(model) == (model,)
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
+    model = nn.Linear(2, 2)
+    assert accelerator.prepare(model) == (model,)
     assert seen == [None if distributed_type == "FSDP" else "importable"]
     assert "deepspeed" not in sys.modules  # and nothing left behind
