@@ -2,7 +2,10 @@
 2 x 2 mesh of data-parallel x tensor-parallel ranks, trains, evaluates and predicts with the GPT as one process does,
 each process holding about a quarter of it; its sharded checkpoint resumes exactly on the same mesh (and is refused
 on another). The same for a tiny transformers Llama (`--task language_modeling`), split by its own plan. And HSDP (2
-replicas x 2 shards) trains the digits as one process does."""
+replicas x 2 shards) trains the digits as one process does.
+
+The runs compared with one process fork their 4 ranks from this process (conftest.run_ranks: accelerate's own launch
+code gives each its environment); the resumed run is the page's command launched as written."""
 
 import json
 import shutil
@@ -11,7 +14,17 @@ from pathlib import Path
 import pytest
 
 from scripts.readme_commands import section_commands
-from tests.conftest import assert_ok, assert_processes, logged_losses, read_metrics, run_command, run_main, series
+from tests.conftest import (
+    REPO,
+    assert_ok,
+    assert_processes,
+    logged_losses,
+    read_metrics,
+    run_command,
+    run_main,
+    run_ranks,
+    series,
+)
 from tests.helpers import as_written, assert_bash_blocks_run, needs
 
 pytestmark = pytest.mark.usefixtures("stdlib_text")  # data/stdlib, built where missing (tests/conftest.py)
@@ -32,13 +45,22 @@ def page_command() -> list[str]:
     return as_written(command)
 
 
+def forked(command: list[str], *args: str) -> Path:
+    """A page's `accelerate launch --config_file accelerate_configs/<config>.yaml train.py ...` (as_written's words)
+    with `args` added, its 4 ranks forked from this process (conftest.run_ranks)."""
+    config = Path(command[command.index("--config_file") + 1])
+    assert config.parent.as_posix() == "accelerate_configs" and "num_processes: 4" in (REPO / config).read_text()
+    train_args = command[command.index("train.py") + 1 :]
+    return run_ranks(REPO / "train.py", [*train_args, *args], 4, config=config.stem, timeout=600)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[int, Path]:
-    """The page's command on 4 processes (also checkpointing at step 3), and the same flags on one process (in this
-    process): their output dirs."""
+    """The page's command on 4 forked processes (also checkpointing at step 3), and the same flags on one process (in
+    this process): their output dirs."""
     out = {n: tmp_path_factory.mktemp(f"tp_p{n}") / "run" for n in (1, 4)}
     words = page_command()
-    assert_ok(run_command([*words, *SMALL, "--save_steps", "3", "--output_dir", str(out[4])], timeout=600))
+    assert_ok(forked(words, *SMALL, "--save_steps", "3", "--output_dir", str(out[4])))
     assert_ok(run_main(*words[words.index("train.py") + 1 :], *SMALL, "--output_dir", str(out[1])))
     assert_processes(out[4], 4)
     return out
@@ -83,7 +105,8 @@ def test_eval_counts_each_sample_once_and_predictions_are_one_process_s(runs):
 @pytest.mark.slow
 def test_a_checkpoint_resumes_on_the_same_mesh_as_if_never_stopped(runs, tmp_path):
     """step_3 of the 4-process run (model and optimiser sharded over dp and tp by torch.distributed.checkpoint),
-    continued on the same 2 x 2 mesh: steps 4-6, the eval and the predictions equal the uninterrupted run's."""
+    continued on the same 2 x 2 mesh by the page's command, launched as written: steps 4-6, the eval and the
+    predictions equal the uninterrupted run's."""
     out = tmp_path / "run"
     shutil.copytree(runs[4] / "checkpoints" / "step_3", out / "checkpoints" / "step_3")
     result = run_command([*page_command(), *SMALL, "--output_dir", str(out), "--resume_from_checkpoint", "latest"])
@@ -132,7 +155,7 @@ LLAMA = ["--task", "language_modeling", "--dropout", "0", "--block_size", "32", 
 
 @pytest.fixture(scope="module")
 def llama_runs(tmp_path_factory, hf_assets) -> dict[int, Path]:
-    """The tiny Llama trained by the page's launcher on 4 processes and by one process (in this process)."""
+    """The tiny Llama trained by the page's launch on 4 forked processes and by one process (in this process)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -147,7 +170,7 @@ def llama_runs(tmp_path_factory, hf_assets) -> dict[int, Path]:
     out = {n: tmp_path_factory.mktemp(f"tp_llama_p{n}") / "run" for n in (1, 4)}
     words = page_command()
     launcher = words[: words.index("train.py") + 1]  # the page's launch, without configs/lm.yaml (the GPT's)
-    assert_ok(run_command([*launcher, *args, "--output_dir", str(out[4])], timeout=600))
+    assert_ok(forked(launcher, *args, "--output_dir", str(out[4])))
     assert_ok(run_main(*args, "--output_dir", str(out[1])))
     assert_processes(out[4], 4)
     return out
@@ -184,13 +207,13 @@ HSDP_RUN = ["--max_steps", "8", "--logging_steps", "1", "--learning_rate", "1e-3
 
 @pytest.mark.slow
 def test_hsdp_trains_as_one_process_does(tmp_path):
-    """The page's HSDP command on 4 processes: the per-step losses and the eval of one process (every sample counted
-    once), each process holding half the parameters (sharded over the 2 processes of a replica, whole in each of the
-    2 replicas), `setup/strategy` HSDP: read off the model, whose parameters live on a mesh with a "dp_replicate"
+    """The page's HSDP command on 4 forked processes: the per-step losses and the eval of one process (every sample
+    counted once), each process holding half the parameters (sharded over the 2 processes of a replica, whole in each
+    of the 2 replicas), `setup/strategy` HSDP: read off the model, whose parameters live on a mesh with a "dp_replicate"
     dimension (not FSDP2 over all 4, not DDP)."""
     (command,) = section_commands("HSDP", page="docs/tensor_parallel.md")
     out = {n: tmp_path / f"p{n}" for n in (1, 4)}
-    assert_ok(run_command([*as_written(command), *HSDP_RUN, "--output_dir", str(out[4])], timeout=600))
+    assert_ok(forked(as_written(command), *HSDP_RUN, "--output_dir", str(out[4])))
     assert_ok(run_main(*HSDP_RUN, "--output_dir", str(out[1])))
     assert_processes(out[4], 4)
     rows = {n: read_metrics(out[n]) for n in out}
