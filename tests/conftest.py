@@ -1,6 +1,7 @@
 """Helpers to run train.py as a user would: `python train.py` or `accelerate launch` with N CPU processes."""
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -142,7 +143,7 @@ def run_main(*args: str, env: dict | None = None, cwd: Path = REPO) -> subproces
 
 
 def run_on(processes: int, *args: str, config: str = "ddp", env: dict | None = None) -> subprocess.CompletedProcess:
-    """train.py on `processes` processes: 1 in this process (run_main), more forked from it (run_ranks)."""
+    """train.py on `processes` processes: 1 in this process (run_main), more from the fork server (run_ranks)."""
     if processes == 1:
         return run_main(*args, env=env)
     return run_ranks(REPO / "train.py", list(args), processes, config=config, env=env)
@@ -180,9 +181,10 @@ def resolve_launch(argv: list[str]) -> dict:
 def run_ranks(script: Path, args: list[str], processes: int, config: str = "ddp", env: dict | None = None,
               timeout: float = 300) -> subprocess.CompletedProcess:  # fmt: skip
     """`accelerate launch --config_file accelerate_configs/<config>.yaml --num_processes N script args`, its N ranks
-    forked from this process (run_forked), as torch's own distributed tests fork theirs: each rank gets the variables
-    accelerate's launch code computes (resolve_launch) and torchrun adds. The exit status is the first failing rank's
-    (torchrun's own is 1). What a launch itself does (its signals, its report, scripts/launch.py) runs a real one."""
+    started from the fork server (run_forked), as torch's own distributed tests fork theirs: each rank gets the
+    variables accelerate's launch code computes (resolve_launch) and torchrun adds. The exit status is the first
+    failing rank's (torchrun's own is 1). What a launch itself does (its signals, its report, scripts/launch.py)
+    runs a real one."""
     launch = ["--config_file", f"accelerate_configs/{config}.yaml", "--num_processes", str(processes)]
     port, error_files = free_port(), Path(tempfile.mkdtemp(prefix="ranks-"))  # first_to_say's claims go there too
     launched = resolve_launch([*launch, "--main_process_port", str(port), str(script), *args])
@@ -208,105 +210,101 @@ def torchrun_variables(rank: int, processes: int, port: int, error_files: Path) 
 
 
 def run_forked(script: Path, args: list[str], environments: list[dict], cwd: Path = REPO, timeout: float = 300):
-    """`python script args` in `cwd`, once in each of `environments` (command_env's), each a process forked from this
-    one that runs `script` as the interpreter would, without paying the imports again (~4 CPU-s a process for torch and
-    the optimizer's torch._dynamo). As torchrun does, the first process to fail stops the others. The exit status is
-    the first failing process's (or 0); stdout and stderr are theirs, in the order of `environments`."""
-    import torch._dynamo  # noqa: F401  (the optimizer's first step imports it: ~1.3 s a process)
-
-    import train  # noqa: F401
+    """`python script args` in `cwd`, once in each of `environments` (command_env's), each a real process that does
+    not pay the imports again (~4 CPU-s a process for torch and the optimizer's torch._dynamo): a child of
+    multiprocessing's fork server (`forking_context`), which imported them once. As torchrun does, the first process
+    to fail stops the others. The exit status is the first failing process's (or 0; minus the signal's number for a
+    process a signal ended); stdout and stderr are theirs, in the order of `environments`."""
+    from multiprocessing.connection import wait
 
     folder = Path(tempfile.mkdtemp(prefix="forked-"))
-    pids = []
-    for index, environment in enumerate(environments):
-        sys.stdout.flush(), sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:  # the child: it never returns from here
-            run_as_script(script, args, environment, cwd, folder / str(index))
-        pids.append(pid)
-    codes: dict[int, int] = {}  # index -> exit status, in the order they ended
-    deadline, timed_out = time.monotonic() + timeout, False
-    while len(codes) < len(pids):
-        time.sleep(0.05)
-        for index, pid in enumerate(pids):
-            if index not in codes and (ended := os.waitpid(pid, os.WNOHANG))[0]:
-                codes[index] = os.waitstatus_to_exitcode(ended[1])
-        timed_out = not any(codes.values()) and time.monotonic() > deadline
-        if any(codes.values()) or timed_out:
-            for index, pid in enumerate(pids):
-                if index not in codes:
-                    os.kill(pid, signal.SIGKILL)
-                    codes[index] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    outputs = [[(folder / str(index) / name).read_text() for index in range(len(pids))] for name in ("out", "err")]
+    context = forking_context()
+    processes = [
+        context.Process(target=run_as_script, args=(str(script), args, environment, str(cwd), str(folder / str(i))))
+        for i, environment in enumerate(environments)
+    ]
+    for process in processes:
+        process.start()
+    deadline, failed = time.monotonic() + timeout, False
+    while not failed and any(process.exitcode is None for process in processes):
+        wait([p.sentinel for p in processes if p.exitcode is None], timeout=max(0.0, deadline - time.monotonic()))
+        failed = any(process.exitcode for process in processes) or time.monotonic() > deadline
+    timed_out = not any(process.exitcode for process in processes) and failed
+    for process in processes:  # the others, once one failed (or the time is up)
+        if process.exitcode is None:
+            process.kill()
+        process.join()
+    codes = [process.exitcode for process in processes]
+    outputs = [[read_if_there(folder / str(i) / name) for i in range(len(processes))] for name in ("out", "err")]
     shutil.rmtree(folder)
     if timed_out:
         raise subprocess.TimeoutExpired([str(script), *args], timeout, *("".join(o) for o in outputs))
-    status = next((code for code in codes.values() if code), 0)
+    status = next((code for code in codes if code), 0)
     return subprocess.CompletedProcess([sys.executable, str(script), *args], status, *("".join(o) for o in outputs))
 
 
-def run_as_script(script: Path, args: list[str], env: dict, cwd: Path, folder: Path) -> None:
-    """In a forked process: run `script` as `python script args` would in `env` and `cwd` (stdout and stderr to files
-    in `folder`, stdin closed), then exit with its status, at-exit functions and all; nothing returns to the caller."""
+def read_if_there(path: Path) -> str:
+    return path.read_text() if path.is_file() else ""
+
+
+@functools.cache
+def forking_context():
+    """multiprocessing's "forkserver" start method, its server (one per test process, a fresh interpreter started at
+    the first run) having imported train.py and what the runs import at their first step; each run is a fork of it.
+    The server's environment is this process's with the repository on PYTHONPATH (to import train.py and this
+    module); each run sets its own (run_as_script)."""
+    import multiprocessing
+    from multiprocessing import forkserver
+    from unittest import mock
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch._dynamo", "train", "tests.conftest"])
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    with mock.patch.dict(os.environ, {**command_env(), "PYTHONPATH": path}, clear=True):
+        forkserver.ensure_running()
+    return context
+
+
+def run_as_script(script: str, args: list[str], env: dict, cwd: str, folder: str) -> None:
+    """In a child of the fork server: run `script` as `python script args` would in `env` and `cwd`, stdout and
+    stderr to files in `folder` (stdin is already closed). What ends the interpreter ends the process: multiprocessing
+    turns a SystemExit into the exit status, joins the threads left and flushes the streams; the script's at-exit
+    functions run here, last registered first, as the interpreter runs them."""
     import atexit
-    import logging
     import runpy
     import traceback
-    import warnings
 
     import torch
-    from accelerate.state import AcceleratorState, GradientState
 
-    status = 1
+    Path(folder).mkdir()
+    for fd, name in ((1, "out"), (2, "err")):
+        opened = os.open(Path(folder) / name, os.O_WRONLY | os.O_CREAT)
+        os.dup2(opened, fd)
+        os.close(opened)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the server ignores it, as a pytest-xdist worker does
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.argv, sys.path[0:0] = [script, *args], [str(Path(script).parent)]
+    torch.set_num_threads(1)
+    exit_functions = []  # the script's: a multiprocessing child ends without running the interpreter's
+    atexit.register = lambda function, *a, **k: exit_functions.append((function, a, k)) or function
+    atexit.unregister = lambda function: exit_functions.__setitem__(
+        slice(None), [entry for entry in exit_functions if entry[0] != function]
+    )
     try:
-        atexit._clear()  # the forking process's (pytest's) are not this one's
-        folder.mkdir()
-        for fd, path in ((0, os.devnull), (1, folder / "out"), (2, folder / "err")):
-            opened = os.open(path, os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT)
-            os.dup2(opened, fd)
-            os.close(opened)
-        before = {1: (sys.stdout, sys.__stdout__), 2: (sys.stderr, sys.__stderr__)}
-        sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115  (pytest's capture replaced both in this process)
-        sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
-        logging.root.handlers.clear()  # pytest's; a fresh interpreter's root logger has none
-        for logger in logging.root.manager.loggerDict.values():  # the libraries' own (transformers') write here
-            for handler in getattr(logger, "handlers", []):
-                if isinstance(handler, logging.StreamHandler) and handler.stream in before[1] + before[2]:
-                    handler.setStream(sys.stdout if handler.stream in before[1] else sys.stderr)
-        warnings.resetwarnings()  # pytest records warnings: a fresh interpreter prints them, with its default filters
-        for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
-            warnings.simplefilter("ignore", category)
-        warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
-        warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: (
-            file or sys.stderr
-        ).write(warnings.formatwarning(message, category, filename, lineno, line))
-        for number in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
-            signal.signal(number, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # a pytest-xdist worker ignores it
-        os.environ.clear()
-        os.environ.update(env)
-        os.chdir(cwd)
-        sys.argv, sys.path[0:0] = [str(script), *args], [str(script.parent)]
-        torch.set_num_threads(1)
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
-        try:
-            runpy.run_path(str(script), run_name="__main__")
-            status = 0
-        except SystemExit as stop:  # as the interpreter exits: an int is the status, anything else is printed
-            if stop.code is None or isinstance(stop.code, int):
-                status = stop.code or 0
-            else:
-                print(stop.code, file=sys.stderr)
+        runpy.run_path(script, run_name="__main__")
+    except (SystemExit, KeyboardInterrupt):
+        raise
     except BaseException:  # as the interpreter reports an uncaught exception: its traceback, exit status 1
         traceback.print_exc()
+        raise SystemExit(1) from None
     finally:
-        with contextlib.suppress(BaseException):
-            atexit._run_exitfuncs()  # as the interpreter does on its way out
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(status)
+        for function, a, k in reversed(exit_functions):
+            try:
+                function(*a, **k)
+            except Exception:  # the interpreter prints it and goes on
+                traceback.print_exc()
 
 
 def read_metrics(output_dir: Path) -> list[dict]:
@@ -395,8 +393,8 @@ def run_with_hook(
     config: str = "ddp",
     **kwargs,
 ):
-    """`python wrapped_train.py args`, train.py through WRAPPER, in a process forked from this one (run_forked), or on
-    N forked ranks (run_ranks). `kwargs`: env, cwd, timeout."""
+    """`python wrapped_train.py args`, train.py through WRAPPER, in a process from the fork server (run_forked), or on
+    N such ranks (run_ranks). `kwargs`: env, cwd, timeout."""
     script = tmp_path / "wrapped_train.py"
     script.write_text(WRAPPER.format(repo=str(REPO), hook=hook, extra=extra))
     if processes > 1:

@@ -7,7 +7,19 @@ import os
 import signal
 import sys
 
-from tests.conftest import QUICK, read_metrics, run_main, run_on, run_train, series
+import pytest
+
+from tests.conftest import (
+    QUICK,
+    read_metrics,
+    run_command,
+    run_main,
+    run_on,
+    run_train,
+    run_with_hook,
+    series,
+    signal_at,
+)
 
 
 def process_state() -> dict:
@@ -36,9 +48,9 @@ def test_a_call_of_main_exits_writes_and_says_what_a_process_does(tmp_path):
 
 
 def test_forked_ranks_train_as_a_launch_does_and_stop_as_a_process_does(tmp_path):
-    """run_on(2) forks its ranks from this process: a real `accelerate launch` of the same run gives the same losses,
-    metrics and world size; a refused run exits with its ranks' status (2) and its one error line (the launcher's own
-    status would be 1, its report naming the 2); the forking process stays as it was."""
+    """run_on(2) starts its ranks from the fork server (conftest.run_forked): a real `accelerate launch` of the same
+    run gives the same losses, metrics and world size; a refused run exits with its ranks' status (2) and its one
+    error line (the launcher's own status would be 1, its report naming the 2); the test's process stays as it was."""
     before = process_state()
     runs = {}
     for name, run in (
@@ -54,3 +66,22 @@ def test_forked_ranks_train_as_a_launch_does_and_stop_as_a_process_does(tmp_path
     errors = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
     assert refused.returncode == 2 and len(errors) == 1 and f"{out} already holds a run" in errors[0]
     assert process_state() == before
+
+
+@pytest.mark.parametrize(
+    ("hook", "status"), [("if step == 2: raise RuntimeError('a bug')", 1), (signal_at(2), -signal.SIGKILL)]
+)
+def test_a_forked_process_ends_as_python_ends_it(tmp_path, hook, status):
+    """A process from the fork server (run_with_hook) and `python wrapped_train.py` of the same script end alike:
+    the exit status, an uncaught exception's traceback as stderr's end, and the script's at-exit functions run (none
+    after SIGKILL)."""
+    at_exit = "import atexit; atexit.register(print, 'the at-exit function ran', flush=True)"
+    forked = run_with_hook(tmp_path, [*QUICK, "--output_dir", str(tmp_path / "forked")], hook=hook, extra=at_exit)
+    process = run_command([sys.executable, str(tmp_path / "wrapped_train.py"), *QUICK, "--output_dir",
+                           str(tmp_path / "process")])  # fmt: skip
+    ends = {}
+    for name, result in (("forked", forked), ("process", process)):
+        traceback = "Traceback" in result.stderr and result.stderr.strip().splitlines()[-1]
+        ends[name] = (result.returncode, "the at-exit function ran" in result.stdout, traceback)
+    assert ends["forked"] == ends["process"], ends
+    assert ends["process"] == (status, status == 1, status == 1 and "RuntimeError: a bug")

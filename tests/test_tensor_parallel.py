@@ -4,7 +4,7 @@ each process holding about a quarter of it; its sharded checkpoint resumes exact
 on another). The same for a tiny transformers Llama (`--task language_modeling`), split by its own plan. And HSDP (2
 replicas x 2 shards) trains the digits as one process does.
 
-The runs compared with one process fork their 4 ranks from this process (conftest.run_ranks: accelerate's own launch
+The runs compared with one process start their 4 ranks from the fork server (conftest.run_ranks: accelerate's own launch
 code gives each its environment); the resumed run is the page's command launched as written."""
 
 import json
@@ -47,7 +47,7 @@ def page_command() -> list[str]:
 
 def forked(command: list[str], *args: str) -> Path:
     """A page's `accelerate launch --config_file accelerate_configs/<config>.yaml train.py ...` (as_written's words)
-    with `args` added, its 4 ranks forked from this process (conftest.run_ranks)."""
+    with `args` added, its 4 ranks started from the fork server (conftest.run_ranks)."""
     config = Path(command[command.index("--config_file") + 1])
     assert config.parent.as_posix() == "accelerate_configs" and "num_processes: 4" in (REPO / config).read_text()
     train_args = command[command.index("train.py") + 1 :]
