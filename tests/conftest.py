@@ -186,25 +186,44 @@ def run_ranks(script: Path, args: list[str], processes: int, config: str = "ddp"
     failing rank's (torchrun's own is 1). What a launch itself does (its signals, its report, scripts/launch.py)
     runs a real one."""
     launch = ["--config_file", f"accelerate_configs/{config}.yaml", "--num_processes", str(processes)]
-    port, error_files = free_port(), Path(tempfile.mkdtemp(prefix="ranks-"))  # first_to_say's claims go there too
-    launched = resolve_launch([*launch, "--main_process_port", str(port), str(script), *args])
-    variables = {k: v for k, v in launched["env"].items() if os.environ.get(k) != v}
-    environments = [command_env({**variables, **torchrun_variables(rank, processes, port, error_files), **(env or {})})
-                    for rank in range(processes)]  # fmt: skip
-    try:
-        result = run_forked(script, args, environments, timeout=timeout)
-    finally:
-        shutil.rmtree(error_files, ignore_errors=True)
+    error_files = Path(tempfile.mkdtemp(prefix="ranks-"))  # first_to_say's claims go there too
+    with launcher_store() as port:
+        launched = resolve_launch([*launch, "--main_process_port", str(port), str(script), *args])
+        variables = {k: v for k, v in launched["env"].items() if os.environ.get(k) != v}
+        environments = [
+            command_env({**variables, **torchrun_variables(rank, processes, port, error_files), **(env or {})})
+            for rank in range(processes)
+        ]
+        try:
+            result = run_forked(script, args, environments, timeout=timeout)
+        finally:
+            shutil.rmtree(error_files, ignore_errors=True)
     command = ["accelerate", "launch", *launch, str(script), *args]
     return subprocess.CompletedProcess(command, result.returncode, result.stdout, result.stderr)
 
 
+@contextlib.contextmanager
+def launcher_store():
+    """The ranks' store, held in this process as torchrun's agent holds it (torchrun_variables makes each rank its
+    client): on a port the system picks, kept until the ranks end, so that no other run can take the port between
+    its choice and the ranks' start. Yields the port."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    try:
+        yield store.port
+    finally:
+        del store
+
+
 def torchrun_variables(rank: int, processes: int, port: int, error_files: Path) -> dict[str, str]:
-    """What torchrun gives rank `rank` of `processes` on one machine; `error_files` is the launch's folder of
-    TORCHELASTIC_ERROR_FILEs, where first_to_say claims its lines."""
+    """What torchrun gives rank `rank` of `processes` on one machine, the store at `port` held by the launcher
+    (launcher_store); `error_files` is the launch's folder of TORCHELASTIC_ERROR_FILEs, where first_to_say claims its
+    lines."""
     return {
         "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "WORLD_SIZE": str(processes),
         "LOCAL_WORLD_SIZE": str(processes), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCHELASTIC_RUN_ID": error_files.name, "TORCHELASTIC_ERROR_FILE": str(error_files / str(rank) / "error.json"),
     }  # fmt: skip
 
@@ -247,10 +266,18 @@ def read_if_there(path: Path) -> str:
     return path.read_text() if path.is_file() else ""
 
 
+# What the fork server imports once: train.py, the optimizer's first step (torch._dynamo) and, where installed, what a
+# Hugging Face task's run imports at its start (~5 CPU-s a process). A module that is not installed is skipped.
+FORK_SERVER_IMPORTS = [
+    "torch._dynamo", "train", "tests.conftest", "transformers", "transformers.models.auto.modeling_auto",
+    "transformers.models.auto.tokenization_auto", "peft",
+]  # fmt: skip
+
+
 @functools.cache
 def forking_context():
     """multiprocessing's "forkserver" start method, its server (one per test process, a fresh interpreter started at
-    the first run) having imported train.py and what the runs import at their first step; each run is a fork of it.
+    the first run) having imported FORK_SERVER_IMPORTS; each run is a fork of it.
     The server's environment is this process's with the repository on PYTHONPATH (to import train.py and this
     module); each run sets its own (run_as_script)."""
     import multiprocessing
@@ -258,7 +285,7 @@ def forking_context():
     from unittest import mock
 
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch._dynamo", "train", "tests.conftest"])
+    context.set_forkserver_preload(FORK_SERVER_IMPORTS)
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     with mock.patch.dict(os.environ, {**command_env(), "PYTHONPATH": path}, clear=True):
         forkserver.ensure_running()
@@ -271,6 +298,7 @@ def run_as_script(script: str, args: list[str], env: dict, cwd: str, folder: str
     turns a SystemExit into the exit status, joins the threads left and flushes the streams; the script's at-exit
     functions run here, last registered first, as the interpreter runs them."""
     import atexit
+    import multiprocessing
     import runpy
     import traceback
 
@@ -287,6 +315,7 @@ def run_as_script(script: str, args: list[str], env: dict, cwd: str, folder: str
     os.chdir(cwd)
     sys.argv, sys.path[0:0] = [script, *args], [str(Path(script).parent)]
     torch.set_num_threads(1)
+    multiprocessing.set_start_method(None, force=True)  # a fresh interpreter's default (a child inherits "forkserver")
     exit_functions = []  # the script's: a multiprocessing child ends without running the interpreter's
     atexit.register = lambda function, *a, **k: exit_functions.append((function, a, k)) or function
     atexit.unregister = lambda function: exit_functions.__setitem__(
@@ -412,16 +441,18 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return max(1, min(cores, 4))
 
 
-# The test files that take longest, longest first (an estimate from --durations on the 2-core VM, 2026-12-02; rerun
+# The test files that take longest, longest first (summed --durations on the 2-core VM, 2026-12-03; rerun
 # `pytest --durations=0` to refresh it): pytest-xdist hands them out first, so that none of them starts last and sets
 # the suite's length alone (pyproject.toml's --no-loadscope-reorder keeps this order; xdist's own puts the files with
-# the most tests first, which sent the single 80 s lean-core check last). The rest follow in their usual order; a
+# the most tests first, which sent the single 90 s lean-core check last). The rest follow in their usual order; a
 # name that is no longer here (a feature removed) drops out.
 LONGEST_FIRST = [
-    "test_hf.py", "test_sharded.py", "test_adapters.py", "test_checkpoint.py", "test_distributed.py", "test_lm.py",
-    "test_scale.py", "test_streaming.py", "test_customize.py", "test_sweep.py", "test_tracking.py", "test_docs.py",
-    "test_predict.py", "test_cluster_launch.py", "test_object_storage.py", "test_lean_core.py", "test_benchmark.py",
-    "test_ray.py", "test_images.py", "test_readme.py", "test_errors.py", "test_setup.py", "test_project.py",
+    "test_hf.py", "test_sharded.py", "test_generator.py", "test_sweep.py", "test_lean_core.py", "test_ray.py",
+    "test_adapters.py", "test_lm.py", "test_tensor_parallel.py", "test_distributed.py", "test_streaming.py",
+    "test_predict.py", "test_scale.py", "test_images.py", "test_object_storage.py", "test_checkpoint.py",
+    "test_errors.py", "test_cluster_launch.py", "test_customize.py", "test_tracking.py", "test_harness.py",
+    "test_benchmark.py", "test_docs.py", "test_plan_memory.py", "test_benchmark_trainer.py", "test_setup.py",
+    "test_plot_metrics.py", "test_torchrun.py", "test_readme.py", "test_project.py",
 ]  # fmt: skip
 
 

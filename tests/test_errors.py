@@ -20,8 +20,8 @@ from tests.conftest import (
     REPO,
     assert_ok,
     command_env,
-    free_port,
     launch_command,
+    launcher_store,
     read_metrics,
     run_command,
     run_main,
@@ -222,18 +222,19 @@ def ranks_run_to_their_end(args: list[str], folder: Path, processes: int = 2) ->
     """`python train.py args` on `processes` processes, each started with the variables torchrun gives its workers
     (one launch folder for their TORCHELASTIC_ERROR_FILE, as first_to_say reads it) and each waited for to its own end:
     torchrun (and conftest's run_ranks) stop the others once one exits, so neither shows how a slower rank ends."""
-    command, port, ranks = [sys.executable, "train.py", *args], free_port(), []
+    command, ranks = [sys.executable, "train.py", *args], []
     (folder / "launch").mkdir()
-    for rank in range(processes):
-        variables = torchrun_variables(rank, processes, port, folder / "launch")
-        with open(folder / f"{rank}.out", "w") as out, open(folder / f"{rank}.err", "w") as err:
-            ranks.append(subprocess.Popen(command, cwd=REPO, env=command_env(variables), stdout=out, stderr=err,
-                                          stdin=subprocess.DEVNULL))  # fmt: skip
-    try:
-        codes = [rank.wait(timeout=300) for rank in ranks]  # the timeout only guards against a hang
-    finally:
-        for rank in ranks:
-            rank.kill()
+    with launcher_store() as port:
+        for rank in range(processes):
+            variables = torchrun_variables(rank, processes, port, folder / "launch")
+            with open(folder / f"{rank}.out", "w") as out, open(folder / f"{rank}.err", "w") as err:
+                ranks.append(subprocess.Popen(command, cwd=REPO, env=command_env(variables), stdout=out, stderr=err,
+                                              stdin=subprocess.DEVNULL))  # fmt: skip
+        try:
+            codes = [rank.wait(timeout=300) for rank in ranks]  # the timeout only guards against a hang
+        finally:
+            for rank in ranks:
+                rank.kill()
     logs = [((folder / f"{rank}.out").read_text(), (folder / f"{rank}.err").read_text()) for rank in range(processes)]
     return [subprocess.CompletedProcess(command, code, *log) for code, log in zip(codes, logs, strict=True)]
 

@@ -68,6 +68,7 @@ def test_forked_ranks_train_as_a_launch_does_and_stop_as_a_process_does(tmp_path
     assert process_state() == before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("hook", "status"), [("if step == 2: raise RuntimeError('a bug')", 1), (signal_at(2), -signal.SIGKILL)]
 )
