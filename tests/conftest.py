@@ -277,9 +277,9 @@ FORK_SERVER_IMPORTS = [
 @functools.cache
 def forking_context():
     """multiprocessing's "forkserver" start method, its server (one per test process, a fresh interpreter started at
-    the first run) having imported FORK_SERVER_IMPORTS; each run is a fork of it.
-    The server's environment is this process's with the repository on PYTHONPATH (to import train.py and this
-    module); each run sets its own (run_as_script)."""
+    the first run) having imported FORK_SERVER_IMPORTS; each run is a fork of it. The server's environment is this
+    process's with the repository on PYTHONPATH (to import train.py and this module); each run sets its own
+    (run_as_script)."""
     import multiprocessing
     from multiprocessing import forkserver
     from unittest import mock

@@ -9,6 +9,7 @@ code gives each its environment); the resumed run is the page's command launched
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,7 @@ def page_command() -> list[str]:
     return as_written(command)
 
 
-def forked(command: list[str], *args: str) -> Path:
+def forked(command: list[str], *args: str) -> subprocess.CompletedProcess:
     """A page's `accelerate launch --config_file accelerate_configs/<config>.yaml train.py ...` (as_written's words)
     with `args` added, its 4 ranks started from the fork server (conftest.run_ranks)."""
     config = Path(command[command.index("--config_file") + 1])
