@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -266,18 +267,20 @@ def read_if_there(path: Path) -> str:
     return path.read_text() if path.is_file() else ""
 
 
-# What the fork server imports once: train.py, the optimizer's first step (torch._dynamo) and, where installed, what a
-# Hugging Face task's run imports at its start (~5 CPU-s a process). A module that is not installed is skipped.
-FORK_SERVER_IMPORTS = [
-    "torch._dynamo", "train", "tests.conftest", "transformers", "transformers.models.auto.modeling_auto",
-    "transformers.models.auto.tokenization_auto", "peft",
-]  # fmt: skip
+def fork_server_imports() -> list[str]:
+    """What the fork server imports once: train.py, the optimizer's first step (torch._dynamo, ~1 CPU-s a process) and
+    what each feature's runs import at their start (features.yaml's `preload`, e.g. Hugging Face's auto classes: ~5
+    CPU-s). The multiprocessing fork server skips a module that is not installed."""
+    manifest = REPO / "features.yaml"
+    features = (yaml.safe_load(manifest.read_text()) if manifest.is_file() else None) or {}
+    preloads = [name for feature in features.values() for name in feature.get("preload", [])]
+    return ["torch._dynamo", "train", "tests.conftest", *preloads]
 
 
 @functools.cache
 def forking_context():
     """multiprocessing's "forkserver" start method, its server (one per test process, a fresh interpreter started at
-    the first run) having imported FORK_SERVER_IMPORTS; each run is a fork of it. The server's environment is this
+    the first run) having imported `fork_server_imports()`; each run is a fork of it. The server's environment is this
     process's with the repository on PYTHONPATH (to import train.py and this module); each run sets its own
     (run_as_script)."""
     import multiprocessing
@@ -285,7 +288,7 @@ def forking_context():
     from unittest import mock
 
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(FORK_SERVER_IMPORTS)
+    context.set_forkserver_preload(fork_server_imports())
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     with mock.patch.dict(os.environ, {**command_env(), "PYTHONPATH": path}, clear=True):
         forkserver.ensure_running()
