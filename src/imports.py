@@ -1,8 +1,8 @@
 """What a run imports: only what it uses. Some libraries import an optional package wherever it is installed, just to
 ask a question this run already knows the answer to; `hidden` makes such a package look uninstalled for that moment:
-transformers while evaluate is imported (src/metrics.py), deepspeed while a model is saved (src/final_model.py),
-datasets while Accelerate shards a data loader (src/accelerator.py), mlflow while DeepSpeed is imported
-(src/features/deepspeed)."""
+transformers while evaluate is imported (src/metrics.py), deepspeed in `Accelerator.prepare` and while a model is
+saved unless the run is DeepSpeed (src/accelerator.py, src/final_model.py), datasets while Accelerate shards a data
+loader (src/accelerator.py), mlflow while DeepSpeed is imported (src/features/deepspeed)."""
 
 import contextlib
 import sys

@@ -281,17 +281,18 @@ def fork_server_imports() -> list[str]:
 def forking_context():
     """multiprocessing's "forkserver" start method, its server (one per test process, a fresh interpreter started at
     the first run) having imported `fork_server_imports()`; each run is a fork of it. The server's environment is this
-    process's with the repository on PYTHONPATH (to import train.py and this module); each run sets its own
-    (run_as_script)."""
+    process's with the repository on PYTHONPATH (to import train.py and this module), given by starting a first process
+    there; each run sets its own (run_as_script)."""
     import multiprocessing
-    from multiprocessing import forkserver
     from unittest import mock
 
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(fork_server_imports())
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     with mock.patch.dict(os.environ, {**command_env(), "PYTHONPATH": path}, clear=True):
-        forkserver.ensure_running()
+        first = context.Process(target=int)  # the server starts with the first process, in this environment
+        first.start()
+    first.join()
     return context
 
 

@@ -98,8 +98,8 @@ def top_level_imports(path: Path) -> set[str]:
 def test_removing_a_feature_leaves_nothing_that_needs_it(name):
     """What removing `name` leaves (checked here in place, in a second; `scripts/remove_feature.py --check NAME`
     runs the real thing in a copy, and tests/test_lean_core.py removes them all and trains and tests what is left):
-    no remaining module imports its code when imported, no remaining page links to its pages once its marked
-    lines are gone, and its flags are gone with its Options."""
+    no remaining module imports its code when imported, and no remaining page links to its pages once its marked
+    lines are gone."""
     from scripts.remove_feature import feature_paths, strip_mentions, with_dependents
 
     names = with_dependents([name])  # a feature that requires this one goes with it
@@ -129,7 +129,7 @@ def test_removing_a_feature_leaves_nothing_that_needs_it(name):
     assert links == [], f"without {name} these links break (mark the line: [feature: {name}])"
 
 
-def test_the_static_removal_check_sees_an_import_and_a_link(tmp_path, monkeypatch):
+def test_the_static_removal_check_sees_a_top_level_import(tmp_path):
     """The check above, shown able to fail: a core module importing a feature's module at its top is found."""
     (tmp_path / "core.py").write_text("import os\nfrom src.features.gpt.model import GPT\ndef f():\n    import x\n")
     assert "src.features.gpt.model" in top_level_imports(tmp_path / "core.py")
