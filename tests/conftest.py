@@ -267,13 +267,16 @@ def read_if_there(path: Path) -> str:
     return path.read_text() if path.is_file() else ""
 
 
+def manifest() -> dict:
+    """features.yaml: each optional feature of this project by name ({}: every feature removed)."""
+    return yaml.safe_load((REPO / "features.yaml").read_text()) or {}
+
+
 def fork_server_imports() -> list[str]:
     """What the fork server imports once: train.py, the optimizer's first step (torch._dynamo, ~1 CPU-s a process) and
     what each feature's runs import at their start (features.yaml's `preload`, e.g. Hugging Face's auto classes: ~5
     CPU-s). The multiprocessing fork server skips a module that is not installed."""
-    manifest = REPO / "features.yaml"
-    features = (yaml.safe_load(manifest.read_text()) if manifest.is_file() else None) or {}
-    preloads = [name for feature in features.values() for name in feature.get("preload", [])]
+    preloads = [name for feature in manifest().values() for name in feature.get("preload", [])]
     return ["torch._dynamo", "train", "tests.conftest", *preloads]
 
 

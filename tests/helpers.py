@@ -18,7 +18,7 @@ import torch
 
 from scripts.readme_commands import BASH_BLOCK, section_block, section_commands
 from src.errors import EXIT_USAGE
-from tests.conftest import REPO, free_port, logged_losses, read_metrics, series
+from tests.conftest import REPO, free_port, logged_losses, manifest, read_metrics, series
 
 # --- imports, read from the source ---
 
@@ -39,9 +39,7 @@ def imported_names(nodes) -> set[str]:
 
 def has_feature(name: str) -> bool:
     """Whether this project still has the optional feature `name`: its first file in features.yaml is here."""
-    import yaml
-
-    feature = (yaml.safe_load((REPO / "features.yaml").read_text()) or {}).get(name)  # {}: every feature removed
+    feature = manifest().get(name)
     return feature is not None and (REPO / feature["paths"][0]).exists()
 
 

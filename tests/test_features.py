@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO
+from tests.conftest import REPO, manifest
 from tests.helpers import imported_names
 
-FEATURES = list(yaml.safe_load((REPO / "features.yaml").read_text()) or {})
+FEATURES = list(manifest())
 
 
 @dataclasses.dataclass
@@ -70,10 +70,9 @@ def test_features_are_found_by_looking_and_called_in_turn():
 def test_every_path_of_the_manifest_exists_or_is_optional():
     """features.yaml names real files: a renamed or moved file would silently stay behind on removal. (Paths an
     unsplit requirements file or docs page would take may be absent.)"""
-    manifest = yaml.safe_load((REPO / "features.yaml").read_text()) or {}
     missing = [
         path
-        for feature in manifest.values()
+        for feature in manifest().values()
         for path in feature["paths"]
         if not (REPO / path).exists() and not path.startswith(("requirements/", "docs/"))
     ]
