@@ -337,7 +337,7 @@ def test_convert_checkpoint_refuses_what_it_cannot_convert(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("to", ["DDP", "FSDP2"])
 def test_a_checkpoint_converts_between_a_whole_model_and_fsdp2(fsdp_run, one_process, tmp_path, monkeypatch,
-                                                                capsys, to):  # fmt: skip
+                                                                capsys, fresh_accelerate_state, to):  # fmt: skip
     """scripts/convert_checkpoint.py, as the refusal above names it: the FSDP2 run's checkpoints (2 processes) -> a
     whole model, continued by one plain process; the plain run's -> FSDP2, continued on 2 processes. From step_15
     (the latest and the best, mid-window in Accelerate's restored micro-batch count as above): steps 16-30 and the
@@ -366,7 +366,7 @@ def test_a_checkpoint_converts_between_a_whole_model_and_fsdp2(fsdp_run, one_pro
 
 @pytest.mark.parametrize("sharded", strategy_params(without=("fsdp",)), indirect=True)
 def test_a_zero_checkpoint_converts_to_a_whole_model_on_one_process(sharded, one_process, tmp_path, monkeypatch,
-                                                                     capsys):  # fmt: skip
+                                                                     capsys, fresh_accelerate_state):  # fmt: skip
     """docs/sharded.md's commands (`scripts/convert_checkpoint.py ... --to DDP`, as the refusal above names it, then
     `python train.py`) on step_15 of the ZeRO run of 2 processes (DeepSpeed's consolidation: the fp32 weights and
     each parameter's AdamW state), continued by one plain process: steps 16-30 (the schedule still warming up) and
