@@ -18,10 +18,10 @@ import yaml
 
 from scripts.readme_commands import section_commands
 from scripts.remove_feature import MACHINERY, copy_of_repo, remove, with_dependents
-from tests.conftest import REPO, assert_ok, command_env
+from tests.conftest import REPO, assert_ok, command_env, manifest
 from tests.helpers import assert_bash_blocks_run
 
-MANIFEST = yaml.safe_load((REPO / "features.yaml").read_text())
+MANIFEST = manifest()
 CHOICES = [name for name in MANIFEST if name != "generator"]
 GIT_ID = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.com", "GIT_COMMITTER_NAME": "t",
           "GIT_COMMITTER_EMAIL": "t@example.com"}  # fmt: skip
