@@ -1,6 +1,7 @@
 """Remove an optional feature (features.yaml lists each one's files), or prove in a copy that removing it is safe.
 
 python scripts/remove_feature.py NAME            # delete NAME's files from this checkout
+python scripts/remove_feature.py --keep NAME     # delete every feature but NAME and those it requires
 python scripts/remove_feature.py --check NAME    # in a copy without them: the remaining tests collect, ruff
                                                  # passes, and a short 1-process and 2-process run train
 python scripts/remove_feature.py --list          # the features and what each is for
@@ -33,13 +34,25 @@ def refuse(message: str):
 
 def with_dependents(names: list[str]) -> list[str]:
     """`names` and every feature that requires one of them (transitively): what removing them removes."""
+    return closure(names, lambda features, name: [other for other in features if name in requirements(features, other)])
+
+
+def with_requirements(names: list[str]) -> list[str]:
+    """`names` and every feature they require (transitively): what keeping them keeps."""
+    return closure(names, requirements)
+
+
+def requirements(features: dict, name: str) -> list[str]:
+    return features[name].get("requires", [])
+
+
+def closure(names: list[str], linked) -> list[str]:
+    """`names` and, transitively, the features `linked(features, name)` gives for each; an unknown name refused."""
     features, found = manifest(), list(names)
     for name in found:
         if name not in features:
             refuse(f"no feature {name!r} in features.yaml; one of: {', '.join(features)}")
-        found += [
-            other for other, feature in features.items() if name in feature.get("requires", []) and other not in found
-        ]
+        found += [other for other in linked(features, name) if other not in found]
     return found
 
 
@@ -181,11 +194,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="*", metavar="NAME", help="features of features.yaml")
     parser.add_argument("--all", action="store_true", help="every feature")
+    parser.add_argument("--keep", action="store_true", help="every feature but NAMEs and what they require")
     parser.add_argument("--check", action="store_true", help="prove in a copy that removing them is safe")
     parser.add_argument("--tests", choices=["none", "fast", "all"], default="none", help="--check: run these too")
     parser.add_argument("--list", action="store_true", help="list the features")
     args = parser.parse_args()
-    names = list(manifest()) if args.all else with_dependents(args.names)
+    if args.keep and (args.all or not args.names):
+        refuse("--keep takes the features to keep (`--keep images`), not --all or none; --all removes every feature")
+    if args.keep:
+        kept = with_requirements(args.names)
+        names = [name for name in manifest() if name not in kept]
+    else:
+        names = list(manifest()) if args.all else with_dependents(args.names)
     if args.list or not names:
         for name, feature in manifest().items():
             print(f"{name:16} {feature['help']}")

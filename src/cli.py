@@ -44,7 +44,7 @@ def parse_config(argv: "list[str] | TrainConfig | None") -> TrainConfig:
         values = parser.parse_args(argv).as_dict()
     except Exception as err:  # jsonargparse reports every parse problem as some exception with a message
         hint = suggestion(err, parser, cls, name)
-        raise UsageError(f"{one_line(err)}{hint}; see `python train.py --task {name} --help`") from err
+        raise UsageError(f"{readable(one_line(err))}{hint}; see `python train.py --task {name} --help`") from err
     values.pop("config", None)
     task_args = {k: values.pop(k) for k in option_names}
     feature_args = {f.name: values.pop(f.name) for options in option_classes() for f in dataclasses.fields(options)}
@@ -153,10 +153,44 @@ def find_task_name(argv: list[str], default: str = TrainConfig.task) -> str:
     return name if isinstance(name, str) else default
 
 
+KINDS = {"<class 'int'>": "a whole number", "<class 'float'>": "a number", "<class 'bool'>": "true or false",
+         "<class 'list'>": "a list, written [a, b]", "<class 'NoneType'>": "null"}  # fmt: skip
+TYPE_ERROR = re.compile(r'Parser key "(\w+)": Expected a (.+?)\. Got value: ?(.*)$')
+UNION_ERROR = re.compile(r'Parser key "(\w+)": Does not validate .* Errors: (.*) Given value type: .* value: (.*)$')
+
+
+def readable(message: str) -> str:
+    """jsonargparse's message for a value of the wrong type as a short sentence (`--max_steps must be a whole number
+    (got abc)`, `--mixed_precision must be one of no, fp16, bf16 or null (got fp8)`); others as they are."""
+    if found := re.match(r'Parser key "data_files": .* Given value: (.*)$', message):
+        return f"--data_files {found.group(1)} is not a mapping of splits to files"
+    if found := TYPE_ERROR.match(message):
+        key, expected, value = found.groups()
+        kinds = [expected]
+    elif found := UNION_ERROR.match(message):  # an Optional: the type's error, then None's
+        key, errors, value = found.groups()
+        kinds = re.findall(r"- Expected a (.+?)(?= - Expected a |$)", errors)
+    else:
+        return message
+    words = [in_words(kind) for kind in kinds]
+    if None in words:  # a kind without words (a list, a path): jsonargparse's own message says it best
+        return message
+    return f"--{key} must be {' or '.join(words)} (got {value or 'nothing'})"
+
+
+def in_words(kind: str) -> str | None:
+    """`<class 'int'>` -> a whole number, `typing.Literal['a', 'b']` -> one of a, b; None for other kinds."""
+    if kind.startswith("typing.Literal"):
+        return "one of " + ", ".join(re.findall(r"'([^']*)'", kind))
+    return KINDS.get(kind)
+
+
 def suggestion(err: Exception, parser, task_cls, name: str) -> str:
     """'; did you mean --x?' for an unknown key, or the task whose option it is; the form of --data_files."""
     if 'Parser key "data_files"' in str(err):  # most often a colon without its space: YAML reads one string
-        return "; --data_files is a YAML mapping with a space after each colon: '{train: a.parquet, eval: b.parquet}'"
+        return "; write it as a YAML mapping with a space after each colon: '{train: a.parquet, eval: b.parquet}'"
+    if readable(one_line(err)) != one_line(err):  # a known flag's value of the wrong type: no other flag to name
+        return ""
     known = {a.dest for a in parser._actions}
     words = re.findall(r"--(\w+)|'(\w+)'", str(err))  # flags and quoted keys, in the message's order
     unknown = [w for pair in words for w in pair if w and w not in known]

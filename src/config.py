@@ -30,7 +30,7 @@ NEEDS_EVAL = ("metric_for_best_model", "load_best_model_at_end", "early_stopping
 @dataclass
 class TrainConfig:
     # --- run ---
-    output_dir: str | None = None  # config.yaml, metrics.jsonl, checkpoints/, model/ go here; None: runs/<task>
+    output_dir: str | None = None  # config.yaml, metrics.jsonl, checkpoints/, model/; None: runs/<task's last name>
     overwrite_output_dir: bool = False  # allow a fresh run to replace a previous run's files in output_dir
     seed: int = 42  # the same on every process: identical initial weights and data order
     run_name: str | None = None  # wandb run name

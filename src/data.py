@@ -84,10 +84,10 @@ def check_rows(rows: int, split: str) -> None:
         raise UsageError(f"the {split!r} split is empty; point --data_files or --dataset_name at data with rows")
 
 
-def column_tensor(table, name: str, split: str, missing_as_nan: bool = True):
+def column_tensor(table, name: str, split: str, missing_as_nan: bool = False):
     """A pyarrow Table's column as datasets' torch format gives it: int64, float32 or bool, lists of one length (nested
-    too) a dimension each, missing floats NaN (unless `missing_as_nan` is False: labels). Through DLPack: pyarrow's
-    to_numpy() would import pandas."""
+    too) a dimension each. A missing value is refused (one line naming the column), or with `missing_as_nan` a missing
+    float is NaN as datasets gives it. Through DLPack: pyarrow's to_numpy() would import pandas."""
     import pyarrow as pa
     import pyarrow.compute as pc
     import torch
@@ -101,12 +101,17 @@ def column_tensor(table, name: str, split: str, missing_as_nan: bool = True):
     if column.null_count and pa.types.is_floating(column.type) and missing_as_nan:  # as datasets gives them
         column = pc.fill_null(column, float("nan"))
     if column.null_count:
-        raise UsageError(f"column {name!r} has {column.null_count} missing values in the {split} split; fill them")
+        raise UsageError(
+            f"column {name!r} has {column.null_count} missing values in the {split} split; fill them or drop those rows"
+        )
     is_bool = pa.types.is_boolean(column.type)
     if is_bool:  # bit-packed in Arrow: DLPack takes bytes
         column = pc.cast(column, pa.uint8())
     if not (pa.types.is_integer(column.type) or pa.types.is_floating(column.type)):
-        raise UsageError(f"column {name!r} of the {split} split holds {column.type}, not numbers; choose other columns")
+        raise UsageError(
+            f"column {name!r} of the {split} split holds {column.type}, not numbers; choose a numeric column, or turn "
+            "its values into numbers in the task (class names into ids: src/tasks/classification.py's label_maps)"
+        )
     dtype = torch.bool if is_bool else torch.int64 if pa.types.is_integer(column.type) else torch.float32
     return torch.from_dlpack(column).view(shape).to(dtype, copy=True)  # a copy: Arrow's memory is read-only
 

@@ -44,7 +44,7 @@ class LossWindow:
         if not self.skip_nonfinite:
             bad_step = self.first_step + int((~finite).nonzero()[0]) // self.accelerator.gradient_accumulation_steps
             raise TrainingDiverged(
-                f"the training loss became NaN/inf at step {bad_step}; the last checkpoint before it is intact. "
+                f"the training loss became NaN/inf at step {bad_step}; checkpoints saved before it are intact. "
                 "Lower --learning_rate, check the data, or pass --skip_nonfinite_batches true to skip such batches"
             )
         return window[finite]

@@ -21,15 +21,31 @@ def test_yaml_then_command_line_override(tmp_path):
     "yaml_text, flags, message",
     [
         ("bogus_key: 1\n", [], "bogus_key"),
-        ("learning_rate: fast\n", [], "learning_rate"),
-        ("", ["--per_device_train_batch_size", "1.5"], "per_device_train_batch_size"),
+        ("learning_rate: fast\n", [], r"--learning_rate must be a number \(got fast\)"),
+        (
+            "",
+            ["--per_device_train_batch_size", "1.5"],
+            r"--per_device_train_batch_size must be a whole number \(got 1.5\)",
+        ),
         ("", ["--no_such_flag", "1"], "no_such_flag"),
-        ("", ["--norm", "layer"], "norm"),
+        ("", ["--norm", "layer"], r"^--norm must be one of batch, group, none \(got layer\); see `python train.py"),
+        (
+            "",
+            ["--mixed_precision", "fp8"],  # no "did you mean": the flag exists
+            r"^--mixed_precision must be one of no, fp16, bf16 or null \(got fp8\); see `python train.py",
+        ),
+        ("", ["--global_batch_size", "x"], r"^--global_batch_size must be a whole number or null \(got x\); see"),
+        ("", ["--run_tags", "a,b"], r"^--run_tags must be a list, written \[a, b\] \(got a,b\); see"),
+        ("", ["--metrics", "x"], r"^--metrics must be a list, written \[a, b\] or null \(got x\); see"),
         ("", ["--learning_rate", "0"], "--learning_rate must be > 0"),
         ("", ["--max_steps", "-5"], "--max_steps must be > 0"),
         ("", ["--report_to", "mlfow"], "unknown --report_to mlfow; did you mean mlflow?"),
         ("key: [unclosed\n", [], "config"),
-        ("", ["--data_files", "{train:a.parquet, eval:b.parquet}"], "a YAML mapping with a space after each colon"),
+        (
+            "",
+            ["--data_files", "{train:a.parquet, eval:b.parquet}"],
+            "is not a mapping of splits to files; write it as a YAML mapping with a space after each colon",
+        ),
     ],
 )
 def test_bad_config_is_a_usage_error(tmp_path, yaml_text, flags, message):

@@ -90,7 +90,7 @@ def test_parquet_columns_are_the_tensors_datasets_gives(tmp_path):
     assert chunked.column("ints").num_chunks == 2
     reference = datasets.Dataset.from_parquet(str(tmp_path / "t.parquet")).with_format("torch")[:]
     for name, read in itertools.product(frame.columns, (table, chunked)):
-        ours, theirs = column_tensor(read, name, "train"), reference[name]
+        ours, theirs = column_tensor(read, name, "train", missing_as_nan=True), reference[name]
         assert (ours.shape, ours.dtype) == (theirs.shape, theirs.dtype), name
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0, equal_nan=True, msg=name)
 
@@ -106,9 +106,9 @@ def test_only_the_columns_asked_for_are_read(tmp_path):
 @pytest.mark.parametrize(
     "values, message, missing_as_nan",
     [
-        (["a", "b"], "column 'x' of the train split holds string, not numbers", True),
-        ([1, None], "column 'x' has 1 missing values in the train split", True),
-        ([1.0, None], "column 'x' has 1 missing values in the train split", False),  # a label: no NaN class
+        (["a", "b"], "column 'x' of the train split holds string, not numbers; choose a numeric column, or", True),
+        ([1, None], "column 'x' has 1 missing values in the train split; fill them or drop those rows", True),
+        ([1.0, None], "column 'x' has 1 missing values in the train split", False),  # the default: no silent NaN
         ([[1], [1, 2]], "column 'x' of the train split holds lists of different lengths", True),
         ([[[1], [2]], [[1, 2]]], "column 'x' of the train split holds lists of different lengths", True),
     ],

@@ -203,7 +203,8 @@ def test_cpu_steps_do_not_page_fault_their_activations_back_in():
         "template, user's tunables": with_template,
         "template": float(template.stdout.split()[-1]),
     }
-    assert faults["template"] < 5 < 50 < min(faults["glibc"], faults["template, user's tunables"]), faults
+    # with the fix: 0-2.6 on an idle machine, 5.1 beside the full suite; without it: 43 at the least
+    assert faults["template"] < 20 < 30 < min(faults["glibc"], faults["template, user's tunables"]), faults
 
 
 def test_batchnorm_conversion_per_device(caplog):

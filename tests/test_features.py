@@ -4,13 +4,15 @@ options, and each can be deleted leaving the rest working (checked here for each
 import ast
 import dataclasses
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.conftest import REPO, manifest
-from tests.helpers import imported_names
+from tests.helpers import imported_names, needs
 
 FEATURES = list(manifest())
 
@@ -133,3 +135,22 @@ def test_the_static_removal_check_sees_a_top_level_import(tmp_path):
     (tmp_path / "core.py").write_text("import os\nfrom src.features.gpt.model import GPT\ndef f():\n    import x\n")
     assert "src.features.gpt.model" in top_level_imports(tmp_path / "core.py")
     assert "x" not in top_level_imports(tmp_path / "core.py")
+
+
+@needs("gpt", "images")
+def test_keep_removes_every_other_feature_but_what_the_kept_ones_require(tmp_path):
+    """`remove_feature.py --keep gpt images` in a copy: gpt's requirement (text_data) stays, every other feature goes,
+    files and manifest entries both."""
+    from scripts.remove_feature import copy_of_repo
+
+    project = copy_of_repo(tmp_path / "project")
+    refused = subprocess.run([sys.executable, "scripts/remove_feature.py", "--keep"], cwd=project, capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+    assert refused.returncode == 2 and refused.stderr.startswith("error: --keep takes the features to keep")
+    script = [sys.executable, "scripts/remove_feature.py", "--keep", "gpt", "images"]
+    result = subprocess.run(script, cwd=project, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert set(yaml.safe_load((project / "features.yaml").read_text())) == {"gpt", "images", "text_data"}
+    packages = {p.name for p in (project / "src" / "features").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert packages == {"gpt", "images"}
+    assert (project / "scripts/prepare_text.py").is_file() and not (project / "scripts/ray_train.py").exists()

@@ -1,7 +1,8 @@
 """--task image_classification on an image folder (docs/images.md's commands): the same training on 1 and 2
 processes with augmentation on and loader workers, a kill + resume equal to the uninterrupted run, every eval image
-counted once, a model/ that the image-classification pipeline reloads with the run's accuracy, and a folder without
-class subfolders refused. The augmentation rule itself (docs/customize.md's recipe) is checked without training."""
+counted once, a transformers model's model/ that the image-classification pipeline reloads with the run's accuracy
+(where the hf feature is), and a folder without class subfolders refused. The augmentation rule itself
+(docs/customize.md's recipe) is checked without training."""
 
 import json
 import shutil
@@ -15,7 +16,10 @@ from torch.utils.data import DataLoader, Subset
 
 from scripts.readme_commands import section_commands
 from src.batches import EpochDependent, LoaderBatches
+from src.cli import parse_config
+from src.errors import UsageError
 from src.features.images.image_classification import Augmentation, ImageSamples, Preprocess, sample_generator
+from src.tasks import build_task
 from tests.conftest import (
     assert_ok,
     assert_processes,
@@ -31,6 +35,8 @@ from tests.helpers import (
     assert_bash_blocks_run,
     assert_error_line,
     docs_code_block,
+    has_feature,
+    needs,
     printed_by,
     train_losses,
     workspace,
@@ -107,17 +113,18 @@ def test_image_samples_are_preprocessed_and_augmented_per_index():
 # --- docs/images.md, run ---
 
 
+# docs/images.md's commands by their second word; the ViT's (a transformers model) only where the hf feature is
+CNN_COMMANDS = ["scripts/make_image_folder.py", "launch"]
+VIT_COMMANDS = ["scripts/make_tiny_model.py", "train.py", "-c"]
+
+
 @pytest.fixture(scope="module")
 def docs(tmp_path_factory) -> dict:
-    """docs/images.md's commands: the two that make the data and the tiny ViT run as written in a workspace."""
-    pytest.importorskip("transformers")
-    commands = section_commands("Image classification", page="docs/images.md")
-    assert [c.split()[1] for c in commands] == [
-        "scripts/make_image_folder.py", "scripts/make_tiny_model.py", "launch", "train.py", "-c",
-    ]  # fmt: skip
+    """docs/images.md's commands, and the one that makes the image folder run as written in a workspace."""
+    commands = {c.split()[1]: c for c in section_commands("Image classification", page="docs/images.md")}
+    assert sorted(commands) == sorted(CNN_COMMANDS + (VIT_COMMANDS if has_feature("hf") else []))
     cwd = workspace(tmp_path_factory.mktemp("images"))
-    for command in commands[:2]:
-        assert_ok(run_command(as_written(command), cwd=cwd))
+    assert_ok(run_command(as_written(commands["scripts/make_image_folder.py"]), cwd=cwd))
     return {"cwd": cwd, "commands": commands}
 
 
@@ -132,7 +139,7 @@ def cnn_runs(docs, tmp_path_factory) -> dict:
     """The CNN command (shortened, flips added) on 2 processes with 2 loader workers each, on 1 process without
     workers, and on 1 process without augmentation (the two 1-process runs in this process, reading the same folders
     by their absolute paths)."""
-    cwd, command = docs["cwd"], docs["commands"][2]
+    cwd, command = docs["cwd"], docs["commands"]["launch"]
     flags = [*SHORT, "--horizontal_flip", "true"]
     images = cwd / "data" / "digit_images"
     folders = ["--data_files", f"{{train: {images / 'train'}, eval: {images / 'eval'}}}"]
@@ -176,7 +183,7 @@ def test_killed_and_resumed_run_matches_the_uninterrupted_one(cnn_runs, docs, tm
     through --dataset_name imagefolder: the per-step losses are those of the uninterrupted run."""
     out, cwd = tmp_path / "run", docs["cwd"]
     folders = "{train: data/digit_images/train, eval: data/digit_images/eval}"
-    args = [*one_process(docs["commands"][2])[2:], *SHORT, "--horizontal_flip", "true", "--output_dir", str(out),
+    args = [*one_process(docs["commands"]["launch"])[2:], *SHORT, "--horizontal_flip", "true", "--output_dir", str(out),
             "--save_steps", "6", "--resume_from_checkpoint", "latest", "--dataloader_num_workers", "2",
             "--dataset_name", "imagefolder", "--data_files", folders]  # fmt: skip
     killed = run_with_hook(tmp_path, args, signal_at(8), cwd=cwd)
@@ -204,11 +211,14 @@ def classify_with_a_pipeline(model_dir: Path, folder: Path) -> dict:
 
 
 @pytest.mark.slow
+@needs("hf")
 def test_vit_model_reloads_in_a_pipeline_with_the_runs_accuracy_and_predictions(docs):
-    """The ViT command (shortened) and the pipeline command as written; then the pipeline over the whole eval folder
-    gives the run's eval/accuracy and, file by file, the classes of predictions.jsonl."""
+    """The commands that make the tiny ViT (as written) and train it (shortened), and the pipeline command as written;
+    then the pipeline over the whole eval folder gives the run's eval/accuracy and, file by file, the classes of
+    predictions.jsonl."""
     cwd, commands = docs["cwd"], docs["commands"]
-    vit = as_written(commands[3])
+    assert_ok(run_command(as_written(commands["scripts/make_tiny_model.py"]), cwd=cwd))
+    vit = as_written(commands["train.py"])
     assert vit[1] == "train.py"  # `python train.py`: its main in this process, in the docs' folder
     assert_ok(run_main(*vit[2:], "--max_steps", "40", "--logging_steps", "10", cwd=cwd))
     run = cwd / "runs" / "vit"
@@ -218,7 +228,7 @@ def test_vit_model_reloads_in_a_pipeline_with_the_runs_accuracy_and_predictions(
     names = ["eight", "five", "four", "nine", "one", "seven", "six", "three", "two", "zero"]  # sorted folder names
     assert [config["id2label"][str(i)] for i in range(10)] == names
 
-    printed = printed_by(commands[4], cwd)  # in this process: this test imports transformers anyway
+    printed = printed_by(commands["-c"], cwd)  # in this process: this test imports transformers anyway
     assert "'label': '" in printed and any(f"'{name}'" in printed for name in names)
 
     reloaded = classify_with_a_pipeline(run / "model", cwd / "data" / "digit_images" / "eval")
@@ -239,10 +249,33 @@ def test_a_folder_without_class_subfolders_is_one_line_and_exit_2(docs, tmp_path
             shutil.copy(png, flat / split / f"{i}.png")
     out = tmp_path / "run"
     folders = f"{{train: {flat / 'train'}, eval: {flat / 'eval'}}}"
-    result = run_main(*one_process(docs["commands"][2])[2:], "--data_files", folders, "--output_dir", str(out))
+    result = run_main(*one_process(docs["commands"]["launch"])[2:], "--data_files", folders, "--output_dir", str(out))
     assert_error_line(result, rf"the train folder {flat / 'train'} has no class subfolders .*<class>/\*\.png")
     assert not out.exists()
 
 
+def test_a_split_the_folders_lack_is_the_one_line_that_names_its_flag(docs, tmp_path):
+    out = tmp_path / "run"
+    result = run_main(*one_process(docs["commands"]["launch"])[2:], "--eval_split", "nosuch", "--output_dir", str(out),
+                      cwd=docs["cwd"])  # fmt: skip
+    assert_error_line(result, r"no split 'nosuch' \(it has train, eval\); add it to --data_files or set --eval_split")
+    assert not out.exists()
+
+
+def test_without_the_hf_feature_a_model_folder_not_there_is_said_to_be_missing(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "src.features.hf", None)  # as in a project made without hf: not importable
+    run = tmp_path / "run"  # predicting before training: the run's model/ is not there
+    config = parse_config(["--task", "image_classification", "--do_train", "false", "--output_dir", str(run)])
+    with pytest.raises(UsageError, match=rf"^--model_name_or_path {run}/model: no such model folder \(a Hub model"):
+        build_task(config)
+
+
 def test_every_command_of_the_page_is_run():
     assert_bash_blocks_run("docs/images.md")
+
+
+def test_the_default_folder_not_written_yet_is_one_line_naming_the_script(tmp_path):
+    out = tmp_path / "run"
+    result = run_main("--task", "image_classification", "--output_dir", str(out), cwd=tmp_path)
+    assert_error_line(result, r"the image folder data/digit_images/train is not in .*scripts/make_image_folder.py")
+    assert not out.exists()

@@ -105,6 +105,23 @@ def test_task_names_resolve_to_classes(task_module, toy):
     ]
 
 
+def test_a_mistyped_task_names_the_users_task_in_src_tasks(tmp_path, monkeypatch):
+    """A task of one's own in src/tasks/ (here a folder added to the package's path), asked for by its bare name or
+    with a typo in its path: the error names its path."""
+    import src.tasks
+
+    (tmp_path / "my_table.py").write_text(TOY_TASK)
+    monkeypatch.setattr(src.tasks, "__path__", [*src.tasks.__path__, str(tmp_path)])
+    for mistyped in ("my_table", "src.tasks.my_tabel"):
+        with pytest.raises(UsageError, match=rf"unknown --task '{mistyped}'; did you mean src\.tasks\.my_table\? use"):
+            task_class(mistyped)
+    try:
+        assert task_class("src.tasks.my_table").__name__ == "Toy"  # the name suggested is the task
+    finally:
+        sys.modules.pop("src.tasks.my_table", None)
+        vars(src.tasks).pop("my_table", None)
+
+
 def test_task_options_are_flags_yaml_keys_and_saved_flat(tmp_path, toy):
     path = tmp_path / "c.yaml"
     path.write_text(f"task: {toy}\nnum_layers: 3\n")

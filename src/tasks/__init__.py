@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import importlib
 import inspect
+import pkgutil
 
 from jsonargparse import ArgumentParser
 
@@ -25,12 +26,12 @@ def task_class(name: str) -> type[Task]:
     path = BUILT_IN.get(name, name)
     module_path, _, class_name = path.rpartition(".")
     module = import_module(path) or import_module(module_path)
+    in_a_package = module is not None and module.__name__ != path and hasattr(module, "__path__")
+    if in_a_package and not hasattr(module, class_name):  # a name in a package, neither module nor class: a typo
+        module = None
     if module is None:
-        close = difflib.get_close_matches(name, BUILT_IN, n=1)
-        hint = f"did you mean {close[0]}? " if close else ""
-        raise UsageError(
-            f"unknown --task {name!r}; {hint}use one of {', '.join(BUILT_IN)} or an importable module path"
-        )
+        raise UsageError(f"unknown --task {name!r}; {did_you_mean(name)}use one of {', '.join(BUILT_IN)} or an "
+                         "importable module path")  # fmt: skip
     if module.__name__ != path:  # module.Class
         found = getattr(module, class_name, None)
         if not (inspect.isclass(found) and issubclass(found, Task)):
@@ -45,6 +46,18 @@ def task_class(name: str) -> type[Task]:
             "name the class, e.g. --task my_package.my_task.MyTask"
         )
     return defined[0]
+
+
+def did_you_mean(name: str) -> str:
+    """'did you mean X? ' for a --task close to a built-in name or to a module in src/tasks/ (a user's task: by its
+    path, or by its own name without the path), else ''."""
+    shared = ("base", "classification", "digits")  # the contract, a base class, a built-in
+    modules = [f"src.tasks.{m.name}" for m in pkgutil.iter_modules(__path__) if m.name not in shared]
+    by_name = {path.rpartition(".")[2]: path for path in modules}
+    close = difflib.get_close_matches(name, [*BUILT_IN, *modules], n=1) or [
+        by_name[found] for found in difflib.get_close_matches(name.rpartition(".")[2], by_name, n=1)
+    ]
+    return f"did you mean {close[0]}? " if close else ""
 
 
 def import_module(path: str):

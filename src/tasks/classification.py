@@ -1,5 +1,8 @@
 """Classification: batches of `(inputs, labels)` and a model that maps inputs to logits (the digits, and the
-features' tasks built on it)."""
+features' tasks built on it); the class names saved beside a model's weights (labels.json)."""
+
+import json
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -43,3 +46,22 @@ def check_labels(labels: torch.Tensor, num_labels: int, split: str) -> None:
             f"labels must lie in 0..{num_labels - 1} but range {labels.min()}..{labels.max()} in the {split} split; "
             "set --num_labels"
         )
+
+
+LABELS_FILE = "labels.json"  # class names beside weights whose own config has none (a plain network, an adapter)
+
+
+def label_maps(labels: list) -> dict:
+    """The class names in id order -> `id2label` / `label2id`, as transformers' configs and loaders take them."""
+    id2label = {i: str(label) for i, label in enumerate(labels)}
+    return {"id2label": id2label, "label2id": {name: i for i, name in id2label.items()}}
+
+
+def save_labels(directory: Path, labels: list) -> None:
+    (Path(directory) / LABELS_FILE).write_text(json.dumps(label_maps(labels), indent=2) + "\n")
+
+
+def saved_labels(directory: str | Path) -> list[str] | None:
+    """The class names save_labels wrote into `directory`, in id order; None where it wrote none."""
+    path = Path(directory) / LABELS_FILE
+    return list(json.loads(path.read_text())["id2label"].values()) if path.is_file() else None

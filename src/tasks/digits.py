@@ -43,7 +43,7 @@ class Digits(ClassificationTask):
         inputs = column_tensor(table, options.input_column, name).float().div(16.0).view(-1, 1, 8, 8)
         if not labelled:
             return TensorDataset(inputs)
-        labels = column_tensor(table, options.label_column, name, missing_as_nan=False).long()
+        labels = column_tensor(table, options.label_column, name).long()
         check_labels(labels, options.num_labels, name)
         return TensorDataset(inputs, labels)
 

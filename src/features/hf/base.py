@@ -4,7 +4,6 @@ offline), tokenising once on the main process first, and saving the result with 
 `transformers` is optional: `pip install -r requirements/hf.txt` (`scripts/setup.sh --dev` installs it for the tests).
 """
 
-import json
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from src.features.hf.adapters import (
 from src.final_model import saved_model_dir
 from src.hub import check_hub_repo
 from src.tasks.base import Task
+from src.tasks.classification import label_maps, saved_labels
 
 
 class HuggingFaceTask(Task):
@@ -191,22 +191,3 @@ def save_pretrained(accelerator, model, tokenizer, directory: Path) -> None:
     )
     if accelerator.is_main_process:
         tokenizer.save_pretrained(directory)
-
-
-LABELS_FILE = "labels.json"  # class names beside weights whose own config has none (a plain network, an adapter)
-
-
-def label_maps(labels: list) -> dict:
-    """The class names in id order -> `id2label` / `label2id`, as transformers' configs and loaders take them."""
-    id2label = {i: str(label) for i, label in enumerate(labels)}
-    return {"id2label": id2label, "label2id": {name: i for i, name in id2label.items()}}
-
-
-def save_labels(directory: Path, labels: list) -> None:
-    (Path(directory) / LABELS_FILE).write_text(json.dumps(label_maps(labels), indent=2) + "\n")
-
-
-def saved_labels(directory: str | Path) -> list[str] | None:
-    """The class names save_labels wrote into `directory`, in id order; None where it wrote none."""
-    path = Path(directory) / LABELS_FILE
-    return list(json.loads(path.read_text())["id2label"].values()) if path.is_file() else None

@@ -18,7 +18,8 @@ from torch import nn
 
 from src.errors import UsageError
 from src.features.hf.adapters import AdapterOptions
-from src.features.hf.base import HuggingFaceTask, check_dropout, label_maps, main_process_first, save_labels
+from src.features.hf.base import HuggingFaceTask, check_dropout, main_process_first
+from src.tasks.classification import label_maps, save_labels
 
 
 class TextClassification(HuggingFaceTask):

@@ -2,7 +2,7 @@
 
     python scripts/make_image_folder.py                        # data/digit_images/{train,eval}/<class>/*.png
     python train.py --task image_classification --random_crop_padding 1                # the plain CNN
-    python train.py --task image_classification --model_name_or_path data/tiny/vit    # a transformers model
+    python train.py --task image_classification --model_name_or_path data/tiny/vit    # a transformers model (hf)
 
 Data: a folder per split, `--data_files '{train: my/train, eval: my/eval}'`, read by `datasets`' imagefolder builder
 (each class a subfolder; the subfolders' names are the label names), or files with an image column (paths or
@@ -27,10 +27,9 @@ from torch.utils.data import Dataset
 
 from src.data import check_columns, load_splits, reads_local_files
 from src.errors import UsageError
-from src.features.hf.base import LABELS_FILE, label_maps, save_labels, saved_labels
 from src.final_model import saved_model_dir
 from src.models.digits_cnn import DigitsCNN
-from src.tasks.classification import ClassificationTask
+from src.tasks.classification import LABELS_FILE, ClassificationTask, label_maps, save_labels, saved_labels
 
 
 @dataclass(frozen=True)
@@ -145,7 +144,7 @@ class ImageClassification(ClassificationTask):
     def __init__(self, config, options=None):
         super().__init__(config, options)
         if is_transformers_model(config.model_name_or_path):
-            hf().require_transformers()
+            hf(config.model_name_or_path).require_transformers()
             from transformers import AutoImageProcessor
 
             if self.options.image_size is not None:
@@ -174,6 +173,13 @@ class ImageClassification(ClassificationTask):
         """The splits, each checked for its columns; an image folder's images labelled by its class subfolders."""
         import datasets
 
+        for name in names:  # the likely slip before any data is read: the digit images not written yet
+            path = self.split_path(name)
+            if path is not None and path == self.default_data_files.get(name) and not Path(path).is_dir():
+                raise UsageError(
+                    f"the image folder {path} is not in {Path.cwd()}; write the digits' images once with "
+                    "`python scripts/make_image_folder.py` in the repository, or point --data_files at your own folders"
+                )
         for name in names if labelled else []:
             self.check_class_folders(name)
         options, splits = self.options, load_splits(self.config, names)
@@ -198,9 +204,13 @@ class ImageClassification(ClassificationTask):
                 f"images in a subfolder named after it ({folder}/<class>/*.png, two classes or more)"
             )
 
+    def split_path(self, split: str) -> str | None:
+        """What a split's data_files names on this machine, or None (a Hub dataset, a split it does not name)."""
+        return self.config.data_files.get(split) if reads_local_files(self.config) else None
+
     def split_folder(self, split: str) -> Path | None:
         """The folder a split's data_files names, or None (files, a Hub dataset)."""
-        path = self.config.data_files.get(split) if reads_local_files(self.config) else None
+        path = self.split_path(split)
         return Path(path) if path is not None and Path(path).is_dir() else None
 
     def samples(self, split, name: str, labelled: bool = True, augmentation=None) -> ImageSamples:
@@ -311,12 +321,17 @@ def relative(path: str, root: Path | None) -> str:
     return str(resolved.relative_to(root)) if root is not None and resolved.is_relative_to(root) else path
 
 
-def hf():
+def hf(model: str | None = None):
     """The hf feature's loading and saving of transformers models, for a transformers image model (the plain CNN
-    needs none of it); without that feature, one line saying so."""
+    needs none of it); without that feature, one line saying so (for `model` not a folder: that it is missing)."""
     try:
         from src.features.hf import base
     except ModuleNotFoundError as err:
+        if model is not None and not Path(model).is_dir():  # most often a run's model/ not trained yet, or a typo
+            raise UsageError(
+                f"--model_name_or_path {model}: no such model folder (a Hub model would need the hf feature, "
+                "src/features/hf/, not in this project)"
+            ) from err
         raise UsageError(
             "a transformers image model needs the hf feature (src/features/hf/), not in this project; "
             "leave out --model_name_or_path to train the plain CNN"

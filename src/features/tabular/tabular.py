@@ -62,7 +62,7 @@ class Tabular(ClassificationTask):
         table = tables[split]
         check_columns(table, [*self.features, *filter(None, [label])], "--features / --label_column")
         features = torch.stack([column_tensor(table, f, split).float() for f in self.features], dim=1)
-        return features, column_tensor(table, label, split, missing_as_nan=False).long() if label else None
+        return features, column_tensor(table, label, split).long() if label else None
 
     def build_model(self) -> nn.Module:  # after the datasets: sized by the features and labels found there
         network = mlp(len(self.features), self.num_labels, self.options.hidden_size, self.options.num_layers)
