@@ -63,8 +63,8 @@ def feature_paths(name: str, root: Path) -> list[Path]:
     return [root / path for path in features[name]["paths"] if (root / path).exists()]
 
 
-# What removes and checks features: it goes with the last feature (nothing is left to remove), and with it what the
-# pages say of features in general (the lines and regions marked with the name `any`).
+# What removes and checks features: it goes with the last feature (nothing is left to remove), as what the pages say
+# of features in general does (the lines and regions marked `any`).
 MACHINERY = ("scripts/remove_feature.py", "tests/test_lean_core.py")
 
 
@@ -80,12 +80,12 @@ def remove(name: str, root: Path) -> list[Path]:
     manifest_file.write_text(
         re.sub(rf"^{re.escape(name)}:\n(?:[ #].*\n|\n)*", "", manifest_file.read_text(), flags=re.M)
     )
-    edit_pages(root, lambda text: strip_mentions(strip_options_tables(text, name), name))
-    if not yaml.safe_load(manifest_file.read_text()):
+    left = list(yaml.safe_load(manifest_file.read_text()) or {})
+    edit_pages(root, lambda text: strip_mentions(strip_options_tables(text, name), name, left))
+    if not left:
         machinery = [root / path for path in MACHINERY if (root / path).is_file()]
         for path in machinery:
             path.unlink()
-        edit_pages(root, lambda text: strip_mentions(text, "any"))
         removed += machinery
     return removed
 
@@ -105,20 +105,29 @@ def remove_all(names: list[str], root: Path) -> list[Path]:
     return [path for name in names for path in remove(name, root)]
 
 
-def strip_mentions(text: str, name: str) -> str:
-    """The text without what it says of feature `name`: each line ending in `[feature: NAME]` (shown: it tells the
-    reader which feature a line is about) or `<!-- feature: NAME -->`, and each region from a line
-    `<!-- feature: NAME -->` to the next line `<!-- /feature -->`, markers included."""
-    marker, kept, skipping = f"<!-- feature: {name} -->", [], False
+def strip_mentions(text: str, name: str, left=()) -> str:
+    """The text without what it says of feature `name`: each line ending in `[feature: NAMES]` (shown: it tells the
+    reader which feature a line is about) or `<!-- feature: NAMES -->`, and each region from a line
+    `<!-- feature: NAMES -->` to the next line `<!-- /feature -->`, markers included. NAMES is one feature or several
+    (`<!-- feature: slurm ray -->`, `any`: every one): what they mark goes with the last of them (`left`: the features
+    that stay)."""
+    kept, skipping = [], False
     for line in text.splitlines(keepends=True):
         stripped = line.strip()
+        marked = re.search(r"(?:<!-- feature: ([\w ]+) -->|\[feature: ([\w ]+)\])$", stripped)
+        goes = marked is not None and goes_with(name, (marked.group(1) or marked.group(2)).split(), left)
         if skipping:
             skipping = stripped != "<!-- /feature -->"
-        elif stripped == marker:
+        elif goes and stripped.startswith("<!-- feature:"):
             skipping = True
-        elif not stripped.endswith((marker, f"[feature: {name}]")):
+        elif not goes:
             kept.append(line)
     return "".join(kept)
+
+
+def goes_with(name: str, names: list[str], left) -> bool:
+    """Whether text marked with `names` goes when feature `name` does and the features `left` stay."""
+    return (name in names or names == ["any"]) and not (set(left) if names == ["any"] else set(names) & set(left))
 
 
 def strip_options_tables(text: str, name: str) -> str:

@@ -122,7 +122,7 @@ def test_removing_a_feature_leaves_nothing_that_needs_it(name):
             continue
         text = page.read_text()
         for one in names:
-            text = strip_mentions(text, one)
+            text = strip_mentions(text, one, left=[other for other in FEATURES if other not in names])
         for target in re.findall(r"\]\(([^)#\s]+)", text):
             resolved = (page.parent / target).resolve()
             if resolved.is_relative_to(REPO) and resolved.relative_to(REPO).as_posix() in gone_pages:
@@ -154,3 +154,29 @@ def test_keep_removes_every_other_feature_but_what_the_kept_ones_require(tmp_pat
     packages = {p.name for p in (project / "src" / "features").iterdir() if p.is_dir() and p.name != "__pycache__"}
     assert packages == {"gpt", "images"}
     assert (project / "scripts/prepare_text.py").is_file() and not (project / "scripts/ray_train.py").exists()
+    assert "## Clusters" not in (project / "docs/launching.md").read_text()  # its region names slurm, ray, ...
+    assert "`requirements/images.txt`" in (project / "docs/install.md").read_text()
+
+
+def test_a_marked_line_or_region_goes_with_the_last_feature_it_names():
+    from scripts.remove_feature import strip_mentions
+
+    """A marker names one feature, several or `any` (every one); what it marks goes when none of them is left."""
+    region = "<!-- feature: x y -->\nc\n<!-- /feature -->\n"
+    text = f"a\nb [feature: x]\n{region}d [feature: any]\ne\n"
+    assert strip_mentions(text, "x", left=["y"]) == f"a\n{region}d [feature: any]\ne\n"
+    assert strip_mentions(text, "x", left=["z"]) == "a\nd [feature: any]\ne\n"
+    assert strip_mentions(text, "x", left=[]) == "a\ne\n"
+
+
+def test_every_marker_names_features_of_the_manifest():
+    """A marker whose name is misspelt (or whose feature was renamed) would never be taken out."""
+    pages = [REPO / "README.md", *REPO.glob("docs/*.md"), *REPO.glob("accelerate_configs/*.yaml")]
+    pages.append(REPO / "features.yaml")
+    marked = {
+        f"{page.relative_to(REPO)}: {name}"
+        for page in pages
+        for names in re.findall(r"(?:<!-- feature: ([\w ]+) -->|\[feature: ([\w ]+)\])$", page.read_text(), re.M)
+        for name in " ".join(names).split()
+    }
+    assert {entry for entry in marked if entry.split(": ")[1] not in [*FEATURES, "any"]} == set()
