@@ -127,7 +127,9 @@ def strip_mentions(text: str, name: str, left=()) -> str:
 
 def goes_with(name: str, names: list[str], left) -> bool:
     """Whether text marked with `names` goes when feature `name` does and the features `left` stay."""
-    return (name in names or names == ["any"]) and not (set(left) if names == ["any"] else set(names) & set(left))
+    if names == ["any"]:
+        return not left
+    return name in names and not set(names) & set(left)
 
 
 def strip_options_tables(text: str, name: str) -> str:

@@ -43,8 +43,10 @@ def parse_config(argv: "list[str] | TrainConfig | None") -> TrainConfig:
     try:
         values = parser.parse_args(argv).as_dict()
     except Exception as err:  # jsonargparse reports every parse problem as some exception with a message
-        hint = suggestion(err, parser, cls, name)
-        raise UsageError(f"{readable(one_line(err))}{hint}; see `python train.py --task {name} --help`") from err
+        message = one_line(err)
+        said = readable(message)  # a known flag's value of the wrong type, said in words: no other flag to name
+        hint = suggestion(err, parser, cls, name, typed=said != message)
+        raise UsageError(f"{said}{hint}; see `python train.py --task {name} --help`") from err
     values.pop("config", None)
     task_args = {k: values.pop(k) for k in option_names}
     feature_args = {f.name: values.pop(f.name) for options in option_classes() for f in dataclasses.fields(options)}
@@ -185,11 +187,12 @@ def in_words(kind: str) -> str | None:
     return KINDS.get(kind)
 
 
-def suggestion(err: Exception, parser, task_cls, name: str) -> str:
-    """'; did you mean --x?' for an unknown key, or the task whose option it is; the form of --data_files."""
+def suggestion(err: Exception, parser, task_cls, name: str, typed: bool) -> str:
+    """'; did you mean --x?' for an unknown key, or the task whose option it is; the form of --data_files. `typed`: the
+    error is a known flag's value of the wrong type (no other flag to name)."""
     if 'Parser key "data_files"' in str(err):  # most often a colon without its space: YAML reads one string
         return "; write it as a YAML mapping with a space after each colon: '{train: a.parquet, eval: b.parquet}'"
-    if readable(one_line(err)) != one_line(err):  # a known flag's value of the wrong type: no other flag to name
+    if typed:
         return ""
     known = {a.dest for a in parser._actions}
     words = re.findall(r"--(\w+)|'(\w+)'", str(err))  # flags and quoted keys, in the message's order
