@@ -110,17 +110,23 @@ def strip_mentions(text: str, name: str, left=()) -> str:
     reader which feature a line is about) or `<!-- feature: NAMES -->`, and each region from a line
     `<!-- feature: NAMES -->` to the next line `<!-- /feature -->`, markers included. NAMES is one feature or several
     (`<!-- feature: slurm ray -->`, `any`: every one): what they mark goes with the last of them (`left`: the features
-    that stay)."""
+    that stay); until then their markers name the others."""
     kept, skipping = [], False
     for line in text.splitlines(keepends=True):
         stripped = line.strip()
         marked = re.search(r"(?:<!-- feature: ([\w ]+) -->|\[feature: ([\w ]+)\])$", stripped)
-        goes = marked is not None and goes_with(name, (marked.group(1) or marked.group(2)).split(), left)
+        names = (marked.group(1) or marked.group(2)).split() if marked else []
+        goes = bool(names) and goes_with(name, names, left)
         if skipping:
             skipping = stripped != "<!-- /feature -->"
         elif goes and stripped.startswith("<!-- feature:"):
             skipping = True
         elif not goes:
+            if name in names:  # it stays for the other features it names
+                others = " ".join(other for other in names if other != name)
+                marker = f"<!-- feature: {others} -->" if marked.group(1) else f"[feature: {others}]"
+                head, _, tail = line.rpartition(marked.group(0))
+                line = head + marker + tail
             kept.append(line)
     return "".join(kept)
 
