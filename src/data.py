@@ -101,9 +101,7 @@ def column_tensor(table, name: str, split: str, missing_as_nan: bool = False):
     if column.null_count and pa.types.is_floating(column.type) and missing_as_nan:  # as datasets gives them
         column = pc.fill_null(column, float("nan"))
     if column.null_count:
-        raise UsageError(
-            f"column {name!r} has {column.null_count} missing values in the {split} split; fill them or drop those rows"
-        )
+        raise missing_values(name, column.null_count, split)
     is_bool = pa.types.is_boolean(column.type)
     if is_bool:  # bit-packed in Arrow: DLPack takes bytes
         column = pc.cast(column, pa.uint8())
@@ -185,3 +183,15 @@ def check_columns(split, wanted: list[str], flags: str) -> None:
         raise UsageError(
             f"the data has no column {', '.join(sorted(missing))} (it has {', '.join(split.column_names)}); set {flags}"
         )
+
+
+def check_complete(split, columns: list[str], name: str) -> None:
+    """No missing value in the `columns` of a `datasets.Dataset`, split `name` (a tokenizer or an image decoder would
+    fail on one with a traceback)."""
+    for column in columns:
+        if count := split.data.column(column).null_count:
+            raise missing_values(column, count, name)
+
+
+def missing_values(column: str, count: int, split: str) -> UsageError:
+    return UsageError(f"column {column!r} has {count} missing values in the {split} split; fill them or drop the rows")

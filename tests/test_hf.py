@@ -253,6 +253,24 @@ def test_text_pairs_are_one_input_with_two_separators(assets):
     assert logits.shape == (2, 3)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("blank", ["text", "label"])
+def test_a_missing_text_or_label_is_one_line(assets, tmp_path, blank):
+    """A blank cell in a CSV's text or label column: one line naming the column and split, before anything is
+    tokenized (it was the tokenizer's traceback, or sorted()'s over the labels)."""
+    from src.cli import parse_config
+    from src.errors import UsageError
+    from src.tasks import build_task
+
+    rows = "text,label\ngood film,pos\nbad film,neg\n"
+    (tmp_path / "eval.csv").write_text(rows)
+    (tmp_path / "train.csv").write_text(rows + ("fine,\n" if blank == "label" else ",pos\n"))
+    files = f"{{train: {tmp_path / 'train.csv'}, eval: {tmp_path / 'eval.csv'}}}"
+    flags = ["--task", "text_classification", "--model_name_or_path", assets["bert"], "--data_files", files]
+    with pytest.raises(UsageError, match=rf"^column '{blank}' has 1 missing values in the train split; fill them"):
+        build_task(parse_config(flags)).build_datasets()
+
+
 def test_offline_hub_model_fails_at_once_with_one_line(monkeypatch):
     from src.cli import parse_config
     from src.errors import UsageError

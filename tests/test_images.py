@@ -262,6 +262,18 @@ def test_a_split_the_folders_lack_is_the_one_line_that_names_its_flag(docs, tmp_
     assert not out.exists()
 
 
+def test_a_missing_image_path_is_one_line(docs, tmp_path):
+    """Files with an image column: a blank path is one line naming the column and split, not the decoder's traceback."""
+    pngs = sorted((docs["cwd"] / "data" / "digit_images" / "train").glob("*/*.png"))[:4]
+    rows = "image,label\n" + "".join(f"{png},{png.parent.name}\n" for png in pngs)
+    (tmp_path / "eval.csv").write_text(rows)
+    (tmp_path / "train.csv").write_text(rows + ",3\n")
+    out, files = tmp_path / "run", f"{{train: {tmp_path / 'train.csv'}, eval: {tmp_path / 'eval.csv'}}}"
+    result = run_main("--task", "image_classification", "--data_files", files, "--output_dir", str(out))
+    assert_error_line(result, r"column 'image' has 1 missing values in the train split; fill them or drop the rows")
+    assert not out.exists()
+
+
 def test_without_the_hf_feature_a_model_folder_not_there_is_said_to_be_missing(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "src.features.hf", None)  # as in a project made without hf: not importable
     run = tmp_path / "run"  # predicting before training: the run's model/ is not there

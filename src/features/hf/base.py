@@ -7,7 +7,7 @@ offline), tokenising once on the main process first, and saving the result with 
 from contextlib import contextmanager
 from pathlib import Path
 
-from src.data import check_columns, load_splits
+from src.data import check_columns, check_complete, load_splits
 from src.errors import UsageError
 from src.features.hf.adapters import (
     adapter_base,
@@ -35,12 +35,13 @@ class HuggingFaceTask(Task):
 
     def load_text_splits(self, columns: list[str], flags: str, names: list[str] | None = None) -> list:
         """The model source checked, the tokenizer loaded (self.tokenizer), then the splits `names` (default:
-        train and eval), each checked for `columns`."""
+        train and eval), each checked for `columns`, none of them with a missing value."""
         self.load_tokenizer()
         names = names or [self.config.train_split, self.config.eval_split]
         splits = load_splits(self.config, names)
         for name in names:
             check_columns(splits[name], columns, flags)
+            check_complete(splits[name], columns, name)
         return [splits[name] for name in names]
 
     def load_tokenizer(self) -> None:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from src.data import check_columns, load_splits, reads_local_files
+from src.data import check_columns, check_complete, load_splits, reads_local_files
 from src.errors import UsageError
 from src.final_model import saved_model_dir
 from src.models.digits_cnn import DigitsCNN
@@ -186,7 +186,9 @@ class ImageClassification(ClassificationTask):
         loaded = {}
         for name in names:
             split = splits[name]
-            check_columns(split, [options.image_column, *[options.label_column] * labelled], self.COLUMN_FLAGS)
+            columns = [options.image_column, *[options.label_column] * labelled]
+            check_columns(split, columns, self.COLUMN_FLAGS)
+            check_complete(split, columns, name)
             if not isinstance(split.features[options.image_column], datasets.Image):  # paths or bytes: decode them
                 split = split.cast_column(options.image_column, datasets.Image())
             loaded[name] = split
