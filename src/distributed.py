@@ -26,6 +26,12 @@ def has_accelerator() -> bool:
 def build_accelerator(config: TrainConfig, log_with: list | None = None):
     watch_launcher()  # a rank never outlives its launcher (src/preemption.py)
     use_cpu = not has_accelerator()
+    if one_of_many_asked():
+        raise UsageError(
+            "accelerate launch started this one process, not the --num_processes asked: without a multi-process "
+            "accelerate config it runs the script once on a machine without GPUs; add --config_file "
+            "accelerate_configs/ddp.yaml"
+        )
     strategy.check_launch(use_cpu, config)
     if use_cpu:
         keep_freed_host_memory()
@@ -70,6 +76,16 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
     if "fsdp_plugin" in strategy_options:  # FSDP on CPU processes: what Accelerate does for GPUs only
         strategy.enable_fsdp_on_cpu(accelerator, strategy_options["fsdp_plugin"])
     return accelerator
+
+
+WORLD_SIZES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")  # torchrun's, MPI's
+
+
+def one_of_many_asked() -> bool:
+    """`accelerate launch --num_processes N` (N > 1) with no multi-process config, on a machine without GPUs (or with
+    --cpu): Accelerate's simple launcher runs the script once, with MASTER_PORT set for the N asked, no world size."""
+    env = os.environ
+    return "ACCELERATE_USE_CPU" in env and "MASTER_PORT" in env and not any(name in env for name in WORLD_SIZES)
 
 
 def usable_cores() -> int:

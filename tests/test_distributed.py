@@ -1,6 +1,7 @@
 """The core promise: the same command trains the same way on 1 and N processes, with exact metrics."""
 
 import platform
+import re
 
 import pytest
 import torch
@@ -128,6 +129,18 @@ from src.errors import command_line
 from train import main
 command_line(main)(sys.argv[1:])
 """
+
+
+def test_a_launch_that_starts_one_of_the_processes_asked_is_refused(out):
+    """`accelerate launch --num_processes 2 train.py` without a config on a machine without GPUs runs one process
+    (Accelerate's simple launcher): it would train alone while the user believes in DDP."""
+    result = run_python("-m", "accelerate.commands.launch", "--num_processes", "2", "train.py", *QUICK,
+                        "--output_dir", str(out))  # fmt: skip
+    refused = re.findall(r"^error: accelerate launch started this one process, not the --num_processes asked: .* "
+                         r"add --config_file accelerate_configs/ddp.yaml$", result.stderr, flags=re.M)  # fmt: skip
+    assert len(refused) == 1, result.stderr[-3000:]
+    assert "returned non-zero exit status 2" in result.stderr  # then the launcher's report of it
+    assert not out.exists()
 
 
 @pytest.mark.slow
