@@ -33,9 +33,6 @@ from transformers import (  # noqa: E402
     GPT2Config,
     GPT2LMHeadModel,
     GPT2Tokenizer,
-    ViTConfig,
-    ViTImageProcessor,
-    ViTModel,
 )
 
 from scripts.prepare_text import read_capped, source_files  # noqa: E402
@@ -120,6 +117,9 @@ BUILDERS = {"bert": (bert_tokenizer, bert_model), "gpt2": (gpt2_tokenizer, gpt2_
 
 
 def make_vit(out: Path) -> None:
+    # here, not at the top: without torchvision the processor's import warns, and only a ViT needs it
+    from transformers import ViTConfig, ViTImageProcessor, ViTModel
+
     torch.manual_seed(0)
     config = ViTConfig(
         image_size=8,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import QUICK, assert_ok, assert_processes, read_metrics, run_main, run_on
+from tests.conftest import QUICK, assert_ok, assert_processes, read_metrics, run_main, run_on, run_python
 from tests.helpers import (
     STRATEGIES,
     assert_error_line,
@@ -147,6 +147,15 @@ def test_eval_only_from_the_run_config_reproduces_the_best_and_predicts_label_na
     labels = {json.loads(line)["label"] for line in Path(hf_assets["eval"]).read_text().splitlines()}
     predicted = {json.loads(line)["prediction"] for line in (classifier / "predictions.jsonl").read_text().splitlines()}
     assert predicted <= labels
+
+
+def test_reloading_a_classifier_adapter_reports_no_new_head(classifier, tmp_path):
+    """transformers' load report of the base model would call the classifier head "newly initialized" at every
+    eval or predict: the adapter brings it (a process of its own: the report goes to the real stderr)."""
+    result = run_python("train.py", "--config", str(classifier / "config.yaml"), "--do_train", "false",
+                        "--output_dir", str(tmp_path / "again"))  # fmt: skip
+    assert_ok(result)
+    assert "newly initialized" not in result.stderr and "MISSING" not in result.stderr
 
 
 # --- bad input: one line, exit 2, nothing written ---

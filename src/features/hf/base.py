@@ -4,6 +4,7 @@ offline), tokenising once on the main process first, and saving the result with 
 `transformers` is optional: `pip install -r requirements/hf.txt` (`scripts/setup.sh --dev` installs it for the tests).
 """
 
+import contextlib
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -56,7 +57,9 @@ class HuggingFaceTask(Task):
     def load_model(self, path: str):
         """build_model() (from_pretrained of --model_name_or_path, or of an adapter's base), with the adapter
         saved in an adapter folder (trained further when training), or fresh ones with --peft lora."""
-        model = self.build_model()
+        # under an adapter, the base's report of a classifier head "newly initialized" is wrong: the adapter brings it
+        with errors_only_from_transformers() if self.adapter_path else contextlib.nullcontext():
+            model = self.build_model()
         if self.adapter_path:
             self.adapted = True
             return load_adapter(model, self.adapter_path, trainable=self.config.do_train)
@@ -168,6 +171,18 @@ def apply_overrides(config, overrides: str) -> None:
             f"--config_overrides {overrides!r}: num_attention_heads {heads} is not a multiple of "
             f"num_key_value_heads {kv_heads}; set num_key_value_heads too"
         )
+
+
+@contextmanager
+def errors_only_from_transformers():
+    from transformers.utils import logging as transformers_logging
+
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers_logging.set_verbosity(verbosity)
 
 
 @contextmanager
