@@ -26,7 +26,7 @@ def has_accelerator() -> bool:
 def build_accelerator(config: TrainConfig, log_with: list | None = None):
     watch_launcher()  # a rank never outlives its launcher (src/preemption.py)
     use_cpu = not has_accelerator()
-    if one_of_many_asked():
+    if launcher_started_one_of_many():
         raise UsageError(
             "accelerate launch started this one process, not the --num_processes asked: without a multi-process "
             "accelerate config it runs the script once on a machine without GPUs; add --config_file "
@@ -81,7 +81,7 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
 WORLD_SIZES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")  # torchrun's, MPI's
 
 
-def one_of_many_asked() -> bool:
+def launcher_started_one_of_many() -> bool:
     """`accelerate launch --num_processes N` (N > 1) with no multi-process config, on a machine without GPUs (or with
     --cpu): Accelerate's simple launcher runs the script once, with MASTER_PORT set for the N asked, no world size."""
     env = os.environ

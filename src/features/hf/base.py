@@ -4,8 +4,7 @@ offline), tokenising once on the main process first, and saving the result with 
 `transformers` is optional: `pip install -r requirements/hf.txt` (`scripts/setup.sh --dev` installs it for the tests).
 """
 
-import contextlib
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from src.data import check_columns, check_complete, load_splits
@@ -58,7 +57,7 @@ class HuggingFaceTask(Task):
         """build_model() (from_pretrained of --model_name_or_path, or of an adapter's base), with the adapter
         saved in an adapter folder (trained further when training), or fresh ones with --peft lora."""
         # under an adapter, the base's report of a classifier head "newly initialized" is wrong: the adapter brings it
-        with errors_only_from_transformers() if self.adapter_path else contextlib.nullcontext():
+        with errors_only_from_transformers() if self.adapter_path else nullcontext():
             model = self.build_model()
         if self.adapter_path:
             self.adapted = True
