@@ -161,9 +161,9 @@ def test_keep_removes_every_other_feature_but_what_the_kept_ones_require(tmp_pat
 
 @pytest.mark.skipif(not FEATURES, reason="scripts/remove_feature.py went with the last feature")
 def test_a_marked_line_or_region_goes_with_the_last_feature_it_names():
+    """A marker names one feature, several or `any` (every one); what it marks goes when none of them is left."""
     from scripts.remove_feature import strip_mentions
 
-    """A marker names one feature, several or `any` (every one); what it marks goes when none of them is left."""
     region = "<!-- feature: x y -->\nc\n<!-- /feature -->\n"
     text = f"a\nb [feature: x]\n{region}d [feature: any]\ne\n"
     assert strip_mentions(text, "x", left=["y"]) == f"a\n{region.replace('x y', 'y')}d [feature: any]\ne\n"
