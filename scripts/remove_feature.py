@@ -2,8 +2,9 @@
 
 python scripts/remove_feature.py NAME            # delete NAME's files from this checkout
 python scripts/remove_feature.py --keep NAME     # delete every feature but NAME and those it requires
-python scripts/remove_feature.py --check NAME    # in a copy without them: the remaining tests collect, ruff
-                                                 # passes, and a short 1-process and 2-process run train
+python scripts/remove_feature.py --check NAME    # in a copy without them: the remaining tests collect, the
+                                                 # core's quick tests and ruff pass, short runs train
+python scripts/remove_feature.py --check --each  # that check for every feature in turn, 2 at a time (CI runs it)
 python scripts/remove_feature.py --list          # the features and what each is for
 """
 
@@ -14,12 +15,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 SHORT_RUN = ["--max_steps", "4", "--logging_steps", "2", "--eval_steps", "4", "--max_eval_samples", "64"]
+# The core's quick tests, run in every copy (`pytest -k`: the modules' names): the command line and config, the tasks
+CORE_QUICK_TESTS = "test_config or test_tasks"
 
 
 def manifest() -> dict:
@@ -145,12 +149,17 @@ def strip_options_tables(text: str, name: str) -> str:
 
 
 def copy_of_repo(destination: Path) -> Path:
-    """The tracked and not-ignored files of this checkout, as a clone would have them (and uncommitted edits)."""
-    files = subprocess.run(
+    """The tracked and not-ignored files of this checkout, as a clone would have them (and uncommitted edits); outside
+    a git checkout, its files but the virtual environment, runs and caches."""
+    listed = subprocess.run(
         ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
-        cwd=REPO, capture_output=True, text=True, check=True,
-    ).stdout.split("\0")  # fmt: skip
-    for name in filter(None, files):
+        cwd=REPO, capture_output=True, text=True,
+    )  # fmt: skip
+    if listed.returncode != 0:  # not a git checkout (e.g. a generated project before `git init`)
+        skipped = shutil.ignore_patterns(".git", ".venv", "runs", "__pycache__", ".*_cache", "wandb")
+        shutil.copytree(REPO, destination, ignore=skipped, dirs_exist_ok=True)
+        return destination
+    for name in filter(None, listed.stdout.split("\0")):
         source = REPO / name
         if source.is_file():
             target = destination / name
@@ -159,8 +168,8 @@ def copy_of_repo(destination: Path) -> Path:
     return destination
 
 
-def feature_flags(name: str) -> list[str]:
-    """The command-line flags a feature with code in src/features/ adds (its Options' fields)."""
+def feature_options(name: str) -> list[str]:
+    """The options (`--NAME` flags, config.yaml keys) a feature with code in src/features/ adds: its Options' fields."""
     if not (REPO / "src" / "features" / name).is_dir():
         return []
     import dataclasses
@@ -168,43 +177,72 @@ def feature_flags(name: str) -> list[str]:
 
     sys.path.insert(0, str(REPO))
     options = importlib.import_module(f"src.features.{name}").FEATURE.Options
-    return [f"--{field.name}" for field in dataclasses.fields(options)] if options else []
+    return [field.name for field in dataclasses.fields(options)] if options else []
 
 
 def check(names: list[str], tests: str) -> int:
     """Remove `names` in a copy, then run what must still work there; 0 when all of it does. `tests`: none, or the
     remaining suite's fast tier or all of it too."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
-    flags = [flag for name in names for flag in feature_flags(name)]
+    options = [option for name in names for option in feature_options(name)]
     name = "+".join(names)
     with tempfile.TemporaryDirectory(prefix="without_") as folder:
         root = copy_of_repo(Path(folder))
         removed = remove_all(names, root)
         print(f"without {name}: removed {', '.join(str(p.relative_to(root)) for p in removed)}", flush=True)
+        pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
         launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/ddp.yaml"]
         steps = {}
         if tests == "none":  # (a test run below collects every remaining module itself, slow ones included)
-            steps["the remaining tests collect"] = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0"]
+            quick = ["-n", "0", "-m", "not slow", "-k", CORE_QUICK_TESTS]
+            steps["the remaining tests collect, the core's quick tests pass"] = [*pytest, *quick]
         steps["ruff"] = [sys.executable, "-m", "ruff", "check", "."]
-        steps["python train.py --help"] = [sys.executable, "train.py", "--help"]
-        # Code under src/ went: runs on 1 and 2 processes. (Files elsewhere, scripts and configs, are imported by
-        # no run: tests/test_layout.py proves the core imports no feature.)
+        one = root / "runs/one"
+        steps["python train.py"] = [sys.executable, "train.py", *SHORT_RUN, "--output_dir", str(one)]
+        # Code under src/ went: a 2-process run too. (Files elsewhere, scripts and configs, are imported by no run:
+        # tests/test_layout.py proves the core imports no feature.)
         if any(path.is_relative_to(root / "src") for path in removed):
-            steps["python train.py"] = [sys.executable, "train.py", *SHORT_RUN, "--output_dir", "runs/one"]
             two = [*launch, "--num_processes", "2", "train.py", *SHORT_RUN, "--output_dir", "runs/two"]
             steps["a 2-process launch"] = two
         if tests != "none":
             selection = ["-m", "not slow"] if tests == "fast" else []
-            steps[f"the remaining tests ({tests})"] = [sys.executable, "-m", "pytest", "-q", *selection]
+            steps[f"the remaining tests ({tests})"] = [*pytest, *selection]
         for what, command in steps.items():
             result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=3600)
-            left = [flag for flag in flags if what.endswith("--help") and re.search(rf"{flag}(?!\w)", result.stdout)]
+            left = []
+            if what == "python train.py" and result.returncode == 0:
+                # its config.yaml holds every option there is: none of the removed features' may be left
+                saved = yaml.safe_load((one / "config.yaml").read_text())
+                left = [option for option in options if option in saved]
             if result.returncode != 0 or left:
-                print(f"without {name}: {what} failed (exit {result.returncode}; flags left: {left})\n"
+                print(f"without {name}: {what} failed (exit {result.returncode}; options left: {left})\n"
                       f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}", file=sys.stderr)  # fmt: skip
                 return 1
             print(f"without {name}: {what}: ok", flush=True)
     return 0
+
+
+def check_each(names: list[str], jobs: int) -> int:
+    """`check` without each of `names` in turn (with the features that require it), `jobs` at a time, each in a
+    process of its own; 0 when every one passes. One line each, in `names`' order; a failure's output follows it."""
+    import concurrent.futures
+
+    def one(name: str) -> tuple[str, int, str, float]:
+        start = time.perf_counter()
+        command = [sys.executable, __file__, "--check", name]
+        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+        return name, result.returncode, result.stdout + result.stderr, time.perf_counter() - start
+
+    failed = []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        for name, code, output, seconds in pool.map(one, names):
+            print(f"without {name}: {'ok' if code == 0 else 'FAILED'} ({seconds:.0f} s)", flush=True)
+            if code != 0:
+                failed.append(name)
+                print(output, file=sys.stderr, flush=True)
+    if failed:
+        print(f"removing {', '.join(failed)} breaks the rest: see above", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def main() -> int:
@@ -214,10 +252,17 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="every feature but NAMEs and what they require")
     parser.add_argument("--check", action="store_true", help="prove in a copy that removing them is safe")
     parser.add_argument("--tests", choices=["none", "fast", "all"], default="none", help="--check: run these too")
+    parser.add_argument("--each", action="store_true", help="--check: each feature (or NAME) alone, in turn")
+    parser.add_argument("--jobs", type=int, default=2, help="--each: checks at a time")
     parser.add_argument("--list", action="store_true", help="list the features")
     args = parser.parse_args()
     if args.keep and (args.all or not args.names):
         refuse("--keep takes the features to keep (`--keep images`), not --all or none; --all removes every feature")
+    if args.each and not args.check:
+        refuse("--each goes with --check: `--check --each` checks the removal of each feature in turn")
+    if args.each:
+        with_dependents(args.names)  # an unknown name refused
+        return check_each(args.names or list(manifest()), max(1, args.jobs))
     if args.keep:
         kept = with_requirements(args.names)
         names = [name for name in manifest() if name not in kept]

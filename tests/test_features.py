@@ -182,3 +182,23 @@ def test_every_marker_names_features_of_the_manifest():
         for name in " ".join(names).split()
     }
     assert {entry for entry in marked if entry.split(": ")[1] not in [*FEATURES, "any"]} == set()
+
+
+@needs("profiler", "notebook")
+@pytest.mark.slow
+def test_check_each_names_the_removal_that_breaks_the_rest(tmp_path):
+    """`--check --each` (what CI runs for every feature): in a copy whose core imports the profiler, removing the
+    profiler fails and is named, removing the notebook passes, and the exit code says so."""
+    from scripts.remove_feature import copy_of_repo
+
+    project = copy_of_repo(tmp_path / "project")
+    refused = subprocess.run([sys.executable, "scripts/remove_feature.py", "--each"], cwd=project, capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+    assert refused.returncode == 2 and refused.stderr.startswith("error: --each goes with --check")
+    loaders = project / "src/loaders.py"
+    loaders.write_text(loaders.read_text() + "\nfrom src.features import profiler  # noqa: E402, F401\n")
+    script = [sys.executable, "scripts/remove_feature.py", "--check", "--each", "profiler", "notebook"]
+    result = subprocess.run(script, cwd=project, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "without profiler: FAILED" in result.stdout and "without notebook: ok" in result.stdout
+    assert "removing profiler breaks the rest" in result.stderr
