@@ -2,15 +2,11 @@
 
     python train.py                                          # one process
     accelerate launch --config_file accelerate_configs/ddp.yaml train.py --config configs/default.yaml
-    python -c "from train import main; main(['--max_steps', '50'])"   # from Python or a notebook
     python train.py --do_train false --do_predict true       # evaluate runs/digits/model, write predictions.jsonl
 
-The story, top to bottom: config -> accelerator -> task (data, model, metric) -> train loop (log, evaluate) -> save.
-What is trained is a task (src/tasks/: one class with its data, model, loss and metrics); the machinery around the
-loop lives in src/, one job per module (docs/how_it_works.md has the map); optional features (src/features/) reach
-the loop through one seam, `features.installed()`. The loop speaks Accelerate's own calls (src/accelerator.py keeps
-them as cheap as plain torch's). Nothing here asks which process it runs on. Edit this loop freely:
-docs/customize.md says what must stay for 1 process and N processes to train the same.
+config -> accelerator -> task (src/tasks/) -> train loop -> save; the rest is in src/ (docs/how_it_works.md), features
+reach the loop via `features.installed()`. Nothing here asks which process it runs on. Edit the loop freely:
+docs/customize.md says what must stay for 1 and N processes to train the same.
 """
 
 import gc
@@ -100,7 +96,6 @@ def set_up(config: TrainConfig, training: bool) -> Setup:
     task = tasks.build_task(config)
     pin_memory = accelerator.device.type == "cuda"
     train_loader, eval_loader = loaders.build_loaders(task, config, accelerator, training, pin_memory)
-    # the labelled test split's (None where the data has none), and --do_predict's split with its prediction inputs
     test_loader, predict_split, predict_loader = loaders.build_test_and_predict_loaders(task, config, pin_memory)
     model = distributed.sync_batchnorm(tasks.starting_model(task, config, accelerator), accelerator)
     if config.gradient_checkpointing:
@@ -114,8 +109,7 @@ def set_up(config: TrainConfig, training: bool) -> Setup:
     )
     saved_model = model  # without compilation: its state dict's keys are the model's own
     if config.torch_compile:
-        # outside DDP/FSDP, as Accelerate's own `dynamo_backend`; checkpoints save `saved_model` (no `_orig_mod.` keys)
-        model = torch.compile(model, mode=config.torch_compile_mode)
+        model = torch.compile(model, mode=config.torch_compile_mode)  # outside DDP/FSDP, as Accelerate's dynamo_backend
     prepared = train_loader, eval_loader, test_loader, predict_loader
     return Setup(accelerator, task, model, saved_model, metric, *prepared, predict_split, optimizer)
 
@@ -202,8 +196,7 @@ def train(config: TrainConfig) -> dict:
 
 
 def train_step(accelerator, task, model, optimizer, window, meter: meters.TrainMeters, config, measure_norm: bool):
-    """One optimiser step over an accumulation window: forward and backward per micro-batch (gradients sync on the
-    last), then clip and step. The gradient norm when `measure_norm`, else None."""
+    """One optimiser step over an accumulation window; returns the gradient norm when `measure_norm`, else None."""
     # a loss that is a sum: scaled by its terms' count over the global batch (see summed_loss_scale)
     scale = distributed.summed_loss_scale(accelerator, task, window) if task.loss_reduction == "sum" else None
     for batch in window:
@@ -224,8 +217,7 @@ def train_step(accelerator, task, model, optimizer, window, meter: meters.TrainM
 
 
 def finish_training(run: Setup, config, state: checkpoint.TrainerState, best: BestEvaluation, metrics: dict, step):
-    """After the last step: the best model if asked, `model/`, then the test split and predictions (`finish`) and
-    the Hub. `metrics`: the last evaluation's. A signal now changes nothing."""
+    """After the last step (signals no longer stop it): the best model if asked, model/, `finish`, features' on_end."""
     accelerator, task, model, output_dir = run.accelerator, run.task, run.model, Path(config.output_dir)
     if config.do_eval and not metrics:  # a finished run resumed: nothing trained, evaluate again
         metrics = evaluate(task, model, run.eval_loader, run.metric, accelerator)
@@ -242,8 +234,7 @@ def finish_training(run: Setup, config, state: checkpoint.TrainerState, best: Be
 
 
 def predict(args: list[str] | TrainConfig) -> list[dict]:
-    """predictions.jsonl's rows, from Python: a saved model (by default the run's model/) over the test split, e.g.
-    `predict(["--data_files", "{test: new.parquet}"])`; nothing is trained or evaluated."""
+    """predictions.jsonl's rows from Python, e.g. `predict(["--data_files", "{test: new.parquet}"])`; trains nothing."""
     only = {"do_train": False, "do_eval": False, "do_predict": True}
     if isinstance(args, TrainConfig):
         config = parse_config(replace(args, **only))
@@ -291,8 +282,7 @@ def finish(run: Setup, config: TrainConfig, metrics: dict, step: int) -> dict:
 def evaluate(task, model, eval_loader, metric, accelerator, prefix: str = "eval") -> dict:
     """Exact metrics over the whole split: every process gathers all outputs, the padding dropped."""
     model.eval()
-    loss_sum = torch.zeros((), device=accelerator.device)
-    weight_sum = torch.zeros((), device=accelerator.device)
+    loss_sum, weight_sum = torch.zeros((), device=accelerator.device), torch.zeros((), device=accelerator.device)
     num_samples = 0
     for batch in eval_loader:
         outputs = accelerator.gather_for_metrics(task.eval_outputs(model, batch))
@@ -313,8 +303,7 @@ def evaluate(task, model, eval_loader, metric, accelerator, prefix: str = "eval"
 
 @torch.no_grad()
 def predictions(task, model, loader, accelerator) -> list[dict]:
-    """task.predict() over every sample once, in input order (gather_for_metrics drops the padding of uneven shards);
-    every process returns all rows."""
+    """task.predict() over every sample once, in input order (gather_for_metrics drops padding), on every process."""
     model.eval()
     outputs = [accelerator.gather_for_metrics(task.predict(model, batch)) for batch in loader]
     model.train()
@@ -327,8 +316,7 @@ def with_ids(rows: list[dict], task, split: str) -> list[dict]:
     ids = task.prediction_ids(split)
     if ids is None or len(ids) < len(rows):  # no ids, or not one per row: the rows as they are
         return rows
-    column = task.config.id_column
-    return [{column: id_, **row} for id_, row in zip(ids[: len(rows)], rows, strict=True)]
+    return [{task.config.id_column: id_, **row} for id_, row in zip(ids[: len(rows)], rows, strict=True)]
 
 
 if __name__ == "__main__":

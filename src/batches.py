@@ -1,5 +1,4 @@
-"""Training batches in whole accumulation windows: the DataLoader's, or for tensor data one gather per batch
-(docs/benchmark.md)."""
+"""Train batches in whole accumulation windows: the DataLoader's, or one gather each for tensors (docs/benchmark.md)."""
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -18,8 +17,7 @@ from src.errors import UsageError
 
 @dataclass
 class DataPosition:
-    """Where training is in its data: the epoch and the optimiser steps taken in it. It follows from the step for data
-    of known length; a stream's is saved in every checkpoint."""
+    """The epoch and the optimiser steps taken in it: from the step for sized data; a stream's is checkpointed."""
 
     epoch: int = 0
     steps: int = 0
@@ -53,9 +51,8 @@ def steps_per_epoch(loader: DataLoader, accumulation: int) -> int | None:
 
 @runtime_checkable
 class EpochDependent(Protocol):
-    """A dataset whose samples depend on the epoch (e.g. image_classification's seeded augmentation). `LoaderBatches`
-    sets the epoch before each epoch's iterator exists, so the workers, which copy the dataset as it starts, see it. (A
-    prepared loader calls a dataset's set_epoch itself only where the sampler has none; the seedable sampler has.)"""
+    """A dataset whose samples depend on the epoch (e.g. image_classification's augmentation): `LoaderBatches` sets it
+    before the epoch's iterator exists, so the workers' copies see it (a prepared loader sets only its sampler's)."""
 
     def set_epoch(self, epoch: int) -> None: ...
 
@@ -119,22 +116,18 @@ def gatherable(dataset: Dataset) -> Gatherable | None:
         return None if inner is None else SubsetRows(inner, torch.as_tensor(dataset.indices))
     if isinstance(dataset, Gatherable):
         return dataset
-    if type(dataset) is TensorDataset:  # a subclass may override __getitem__
-        return TensorRows(*dataset.tensors)
-    return None
+    return TensorRows(*dataset.tensors) if type(dataset) is TensorDataset else None  # a subclass may change __getitem__
 
 
 class EpochOrder:
-    """This process's sample indices for an epoch, in one tensor: those the prepared loader's batch sampler yields at a
-    Python generator step per sample. A batch sampler (Accelerate's shards and padding included) takes the same
-    *positions* of its sampler's sequence every epoch: read from epoch 0, they make an epoch one randperm and one gather
-    where the sequence is known (checked on epoch 1); else drawn."""
+    """This process's sample indices for an epoch in one tensor (the loader's batch sampler takes a Python step per
+    sample). A batch sampler, Accelerate's shards and padding too, takes the same *positions* of its sampler's sequence
+    each epoch: read on epoch 0, checked on 1, they make an epoch one randperm where that is known; else drawn."""
 
     def __init__(self, loader: DataLoader):
         self.loader = loader
-        self.sampler = getattr(loader.batch_sampler, "sampler", None) or getattr(
-            getattr(loader.batch_sampler, "batch_sampler", None), "sampler", None
-        )  # a BatchSampler's, or the one inside Accelerate's BatchSamplerShard
+        inner = getattr(loader.batch_sampler, "batch_sampler", None)  # the one inside Accelerate's BatchSamplerShard
+        self.sampler = getattr(loader.batch_sampler, "sampler", None) or getattr(inner, "sampler", None)
         first = self.drawn(0)
         self.sizes = [len(indices) for indices in first]  # the same every epoch
         sequence = known_sequence(self.sampler, 0)  # a permutation: its argsort is its inverse
@@ -154,8 +147,7 @@ class EpochOrder:
 
 
 def known_sequence(sampler, epoch: int) -> torch.Tensor | None:
-    """The sampler's sequence for `epoch` as its own code computes it (Accelerate's SeedableRandomSampler: one randperm
-    seeded with seed + epoch; SequentialSampler), else None."""
+    """The sampler's sequence for `epoch` as its code makes it (SequentialSampler, SeedableRandomSampler); else None."""
     if type(sampler) is SequentialSampler:
         return torch.arange(len(sampler.data_source))
     if type(sampler) is SeedableRandomSampler and not sampler.replacement:
@@ -189,6 +181,4 @@ class IndexBatches:
 
 def train_data(accelerator, loader: DataLoader, config: TrainConfig, collate_fn) -> IndexBatches | LoaderBatches:
     dataset = gatherable(loader.dataset) if config.dataloader_index_batches and collate_fn is None else None
-    if dataset is None:
-        return LoaderBatches(accelerator, loader)
-    return IndexBatches(loader, dataset, accelerator.device)
+    return LoaderBatches(accelerator, loader) if dataset is None else IndexBatches(loader, dataset, accelerator.device)

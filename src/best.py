@@ -1,9 +1,5 @@
-"""Keep the best, stop early: both watch one eval metric for improvements, at every evaluation.
-`--metric_for_best_model` (`--greater_is_better`): a new best evaluation is checkpointed, rotation never removes that
-checkpoint, and `--load_best_model_at_end` loads it. `--early_stopping_patience N`: training stops after N evaluations
-without an improvement of `--early_stopping_metric` (`--early_stopping_mode`). Every process sees the same gathered
-metrics, so all decide the same at the same step without a collective; the counters live in the trainer state, so a
-resumed run continues them."""
+"""Keep the best model (checkpointed, never rotated away) and stop early. All processes see the same gathered metrics,
+so decide alike without a collective; the counters live in the trainer state, so a resumed run continues them."""
 
 import logging
 
@@ -15,8 +11,6 @@ logger = logging.getLogger(__name__)
 
 
 class BestEvaluation:
-    """After each evaluation, `update` says whether it is a new best model and whether to stop early."""
-
     def __init__(self, config: TrainConfig, state: TrainerState):
         self.config, self.state = config, state
 

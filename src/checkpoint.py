@@ -1,6 +1,4 @@
-"""Checkpoints and exact resume: `output_dir/checkpoints/step_<N>/` holds `accelerator.save_state` (model, optimiser,
-LR scheduler, every process's RNG states), `trainer_state.json` and the resolved `config.yaml`. The position in data of
-known length follows from the step (src/batches.py's `DataPosition`); a stream's is saved."""
+"""Checkpoints (`checkpoints/step_<N>/`: `save_state`, trainer state, config), exact resume (data: src/batches.py)."""
 
 import json
 import logging
@@ -20,10 +18,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class TrainerState:
-    """What `save_state` does not hold. `loss_window`: the losses since the last log, averaged over processes."""
+    """What `accelerator.save_state` does not hold."""
 
     step: int = 0
-    loss_window: list[float] = field(default_factory=list)
+    loss_window: list[float] = field(default_factory=list)  # the losses since the last log, averaged over processes
     window_first_step: int = 1
     global_batch: int = 0
     world_size: int = 1
@@ -37,17 +35,14 @@ class TrainerState:
 
 
 def resume(accelerator, config: TrainConfig, fresh: TrainerState) -> tuple[TrainerState, bool]:
-    """`--resume_from_checkpoint latest | <path>`: (its state, True) once it is loaded on every process, or (`fresh`,
-    False). Refused: another global batch than `fresh`'s, or a strategy that can't read it. A whole model (one process,
-    DDP), and FSDP2's shards under FSDP2 (torch.distributed.checkpoint reshards them), resume on any process count;
-    DeepSpeed's ZeRO partitions (a file set per process) under that stage on as many processes as wrote them; both
-    sharded kinds convert to a whole model (`CONVERTS`)."""
+    """`--resume_from_checkpoint latest | <path>`: (its state, True) once loaded everywhere, or (`fresh`, False).
+    Refused: another global batch, or a strategy that can't read it. A whole model (1 process, DDP), and FSDP2 shards
+    under FSDP2, resume on any process count; ZeRO partitions only under their stage and process count."""
     if not config.resume_from_checkpoint:
         return fresh, False
     path = Path(config.resume_from_checkpoint)
     if config.resume_from_checkpoint == "latest":
-        complete = complete_checkpoints(Path(config.output_dir))
-        if not complete:
+        if not (complete := complete_checkpoints(Path(config.output_dir))):
             logger.info("no checkpoint in %s yet: starting fresh", Path(config.output_dir) / CHECKPOINTS_DIR)
             return fresh, False
         path = complete[-1]
@@ -71,21 +66,18 @@ def resume(accelerator, config: TrainConfig, fresh: TrainerState) -> tuple[Train
     except Exception as err:  # torch, safetensors and pickle each raise their own kinds for a bad file
         message = one_line(err)[:300]
         raise UsageError(f"checkpoint {path} does not fit this model/optimiser or is damaged: {message}") from err
-    # Accelerate restores its count of micro-batches, by which `accumulate` knows a window's end; a checkpoint is
-    # taken at one, and on another number of processes its count (saved: steps x micro-batches a process) is not.
+    # 0: a checkpoint ends a window, and the micro-batch count Accelerate restores is wrong on another process count
     accelerator.step = 0
     logger.info("resuming from %s at step %d", path, state.step)
     return replace(state, world_size=fresh.world_size, strategy=fresh.strategy), True  # this run's, from now
 
 
-# What scripts/convert_checkpoint.py --to <key> converts from: the sharded strategies into a whole model (DDP: one
-# process or N), and a whole model into FSDP2.
+# what scripts/convert_checkpoint.py --to <key> converts from: the sharded into a whole model, a whole one into FSDP2
 CONVERTS = {"DDP": ("FSDP2", "DeepSpeed ZeRO-2", "DeepSpeed ZeRO-3"), "FSDP2": ("DDP", "single process")}
 
 
 def check_sharding(path: Path, saved: TrainerState, fresh: TrainerState) -> None:
-    """Refuse a checkpoint this run's strategy can't read (the rule: `resume`'s docstring), naming the conversion
-    (scripts/convert_checkpoint.py, `CONVERTS`) where one makes it readable."""
+    """Refuse a checkpoint this run's strategy can't read (`resume`), naming a conversion (`CONVERTS`) if one exists."""
     resharded, pair, whole = saved.strategy == "FSDP2", {saved.strategy, fresh.strategy}, {"single process", "DDP"}
     same_sharding = saved.strategy == fresh.strategy and (resharded or saved.world_size == fresh.world_size)
     if same_sharding or pair <= whole or saved.strategy is None:  # None: saved before strategies were recorded
@@ -115,8 +107,8 @@ def complete_checkpoints(output_dir: Path) -> list[Path]:
 
 
 def save_checkpoint(accelerator, config: TrainConfig, state: TrainerState, export=None) -> Path:
-    """Every process calls this (sharded strategies save from each); it returns once the rename is done. `export(dir)`
-    also writes the task's own model format into model/. A failed write on any process stops all, older ones intact."""
+    """Every process calls it (sharded strategies save from each); returns once `step_<N>/` is renamed into place.
+    `export(dir)` also writes the task's model/; a failed write on any process stops all, older checkpoints intact."""
     final = checkpoint_dir(config.output_dir, state.step)
     partial = final.with_name(TMP_PREFIX + final.name)
     if accelerator.is_main_process:
@@ -157,7 +149,6 @@ def all_processes_agree(accelerator, ok: bool) -> bool:
 
 
 def rotate_checkpoints(output_dir: Path, keep: int | None, keep_step: int | None = None) -> None:
-    """The newest `keep` checkpoints stay, and the best model's (`keep_step`) whatever its age."""
     if keep:
         for old in complete_checkpoints(output_dir)[:-keep]:
             if checkpoint_step(old) != keep_step:

@@ -1,6 +1,5 @@
-"""The command line: flags and `--config` YAML files -> a resolved TrainConfig, with the chosen task's options.
-jsonargparse parses and type-checks. The task is found first; its `Options` dataclass (src/tasks/) joins the same
-parser, so its fields are flags and YAML keys like any other (`--task X --help` shows them)."""
+"""The command line: flags and `--config` YAML files -> a resolved TrainConfig (jsonargparse parses and type-checks).
+The task is found first; its `Options` (src/tasks/) join the parser as flags and YAML keys (`--task X --help`)."""
 
 import dataclasses
 import difflib
@@ -19,16 +18,14 @@ from src.features import option_classes, options_of
 from src.run_dir import CHECKPOINTS_DIR, CONFIG_FILE, MODEL_DIR, STATE_FILE
 from src.tasks import BUILT_IN, parse_task_options, task_class, task_name
 
-# What an eval-only or predict command takes from the run whose model it evaluates, where it does not say: what the
-# model is (the task and the task's options) and what the run evaluated it on, and how.
+# What eval-only or predict takes from the evaluated run unless told: the model (task, options), its eval data and how
 FROM_THE_RUN = ("task", "dataset_name", "dataset_config_name", "data_files", "train_split", "eval_split", "test_split")
 FROM_THE_RUN += ("id_column", "max_eval_samples", "max_predict_samples", "per_device_eval_batch_size", "metrics")
 FROM_THE_RUN += ("mixed_precision", "seed")
 
 
 def parse_config(argv: "list[str] | TrainConfig | None") -> TrainConfig:
-    """Defaults <- `--config file.yaml` <- `--field value` flags, type-checked; bad input raises UsageError. `argv`
-    None reads sys.argv; a TrainConfig (from Python) is resolved as it is."""
+    """Defaults <- --config YAML <- flags, type-checked, else UsageError; argv None: sys.argv; TrainConfig: resolved."""
     if isinstance(argv, TrainConfig):
         return resolve(argv)
     argv = sys.argv[1:] if argv is None else argv
@@ -44,7 +41,7 @@ def parse_config(argv: "list[str] | TrainConfig | None") -> TrainConfig:
         values = parser.parse_args(argv).as_dict()
     except Exception as err:  # jsonargparse reports every parse problem as some exception with a message
         message = one_line(err)
-        said = readable(message)  # a known flag's value of the wrong type, said in words: no other flag to name
+        said = readable(message)  # a known flag's value of the wrong type, in words: no other flag to name
         hint = suggestion(err, parser, cls, name, typed=said != message)
         raise UsageError(f"{said}{hint}; see `python train.py --task {name} --help`") from err
     values.pop("config", None)
@@ -88,12 +85,9 @@ def setting(argv: list[str], name: str):
 
 
 def run_to_evaluate(argv: list[str]) -> tuple[Path | None, dict]:
-    """(the run folder, its config.yaml) whose model an eval-only or predict command evaluates: --model_name_or_path
-    a run, its model/ or one of its checkpoints, else --output_dir a run; (None, {}) otherwise."""
-    if str(setting(argv, "do_train")).lower() not in ("false", "0", "no"):
-        return None, {}
+    """(run, its config.yaml) whose model eval-only or predict evaluates: --model_name_or_path's or --output_dir's."""
     model = setting(argv, "model_name_or_path") or setting(argv, "output_dir")
-    if not model:
+    if str(setting(argv, "do_train")).lower() not in ("false", "0", "no") or not model:
         return None, {}
     path = Path(model)
     if (path / STATE_FILE).is_file() and (path / CONFIG_FILE).is_file():  # a checkpoint, with its run's config
@@ -106,8 +100,7 @@ def run_to_evaluate(argv: list[str]) -> tuple[Path | None, dict]:
 
 
 def own_run_model(argv: list[str], config: TrainConfig) -> TrainConfig:
-    """`--config runs/x/config.yaml --do_train false`: that file names the model the run started from (or none); what
-    is evaluated is the run's model/, wherever the results go (--output_dir), unless --model_name_or_path says."""
+    """`--config <run>/config.yaml --do_train false` evaluates the run's model/, not the model it started from."""
     runs = [path.parent for path, _ in config_files(argv) if path.name == CONFIG_FILE]
     if config.do_train or given(argv, "model_name_or_path") or not runs:
         return config
@@ -130,18 +123,16 @@ def build_parser(name: str, task_cls):
     owner, helps = {}, {}  # flag -> whose field it is, and its help
     for options in [TrainConfig, *option_classes(), task_cls.Options]:  # the run's fields, the features', the task's
         names = [f.name for f in dataclasses.fields(options)]
-        clash = sorted(name for name in names if name in owner)
-        if clash:
+        if clash := sorted(name for name in names if name in owner):
             raise UsageError(
-                f"{options.__qualname__} fields {', '.join(clash)} clash with {owner[clash[0]]} fields of the same "
-                "name; rename them"
+                f"{options.__qualname__} fields {', '.join(clash)} clash with {owner[clash[0]]} fields of "
+                "the same name; rename them"
             )
         owner |= dict.fromkeys(names, options.__qualname__)
         helps |= field_help(options)
         parser.add_class_arguments(options, as_group=options is task_cls.Options, skip={"task_args", "feature_args"})
     for action in parser._actions:  # jsonargparse takes help from docstrings; ours are the fields' comments
-        if action.dest in helps:
-            action.help = helps[action.dest]
+        action.help = helps.get(action.dest, action.help)
     source = Path(inspect.getsourcefile(task_cls) or "?").resolve()
     source = source.relative_to(Path.cwd()) if source.is_relative_to(Path.cwd()) else source
     group = parser.groups[task_cls.Options.__name__]
@@ -162,8 +153,7 @@ UNION_ERROR = re.compile(r'Parser key "(\w+)": Does not validate .* Errors: (.*)
 
 
 def readable(message: str) -> str:
-    """jsonargparse's message for a value of the wrong type as a short sentence (`--max_steps must be a whole number
-    (got abc)`, `--mixed_precision must be one of no, fp16, bf16 or null (got fp8)`); others as they are."""
+    """jsonargparse's wrong-type message in words (`--max_steps must be a whole number (got abc)`); others unchanged."""
     if found := re.match(r'Parser key "data_files": .* Given value: (.*)$', message):
         return f"--data_files {found.group(1)} is not a mapping of splits to files"
     if found := TYPE_ERROR.match(message):
@@ -174,10 +164,8 @@ def readable(message: str) -> str:
         kinds = re.findall(r"- Expected a (.+?)(?= - Expected a |$)", errors)
     else:
         return message
-    words = [in_words(kind) for kind in kinds]
-    if None in words:  # a kind without words (a list, a path): jsonargparse's own message says it best
-        return message
-    return f"--{key} must be {' or '.join(words)} (got {value or 'nothing'})"
+    words = [in_words(kind) for kind in kinds]  # a kind without words (a list, a path): jsonargparse's message is best
+    return message if None in words else f"--{key} must be {' or '.join(words)} (got {value or 'nothing'})"
 
 
 def in_words(kind: str) -> str | None:
@@ -188,8 +176,7 @@ def in_words(kind: str) -> str | None:
 
 
 def suggestion(err: Exception, parser, task_cls, name: str, typed: bool) -> str:
-    """'; did you mean --x?' for an unknown key, or the task whose option it is; the form of --data_files. `typed`: the
-    error is a known flag's value of the wrong type (no other flag to name)."""
+    """The hint: --data_files' form; unless `typed` (a known flag), the task owning the unknown key or a close flag."""
     if 'Parser key "data_files"' in str(err):  # most often a colon without its space: YAML reads one string
         return "; write it as a YAML mapping with a space after each colon: '{train: a.parquet, eval: b.parquet}'"
     if typed:
@@ -202,8 +189,7 @@ def suggestion(err: Exception, parser, task_cls, name: str, typed: bool) -> str:
             other = task_class(other_name)
             if other is not task_cls and word in {f.name for f in dataclasses.fields(other.Options)}:
                 return f"; --{word} is an option of --task {other_name}, not of --task {name}"
-        close = difflib.get_close_matches(word, known, n=1)
-        if close:
+        if close := difflib.get_close_matches(word, known, n=1):
             return f"; did you mean --{close[0]}?"
     return ""
 
@@ -224,7 +210,6 @@ def resolve(config: TrainConfig) -> TrainConfig:
 def resolve_feature_args(given: dict) -> dict:
     """Every installed feature's options, defaults filled in and checked by its Options; unknown names are refused."""
     classes = option_classes()
-    unknown = set(given) - {f.name for options in classes for f in dataclasses.fields(options)}
-    if unknown:
+    if unknown := set(given) - {f.name for options in classes for f in dataclasses.fields(options)}:
         raise UsageError(f"unknown feature options {', '.join(sorted(unknown))}: no installed feature has them")
     return {k: v for options in classes for k, v in dataclasses.asdict(options_of(options, given)).items()}

@@ -1,7 +1,6 @@
-"""The run's configuration: TrainConfig, what every run has (the chosen task adds its own options), and its checks.
-Names follow Hugging Face `TrainingArguments` where one exists; src/cli.py reads the fields from flags and YAML
-files."""
+"""TrainConfig, what every run has (the task adds its own options), and its checks; names follow `TrainingArguments`."""
 
+import contextlib
 import dataclasses
 import difflib
 import inspect
@@ -16,7 +15,6 @@ import yaml
 from src.errors import UsageError
 
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
-
 
 # What each number may be: TrainConfig refuses others with one line naming them all
 POSITIVE = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps")
@@ -105,11 +103,8 @@ class TrainConfig:
         values = {name: getattr(self, name) for name in (*POSITIVE, *NON_NEGATIVE, *POSITIVE_OR_NONE)}
         problems = [f"--{name} must be > 0 (got {values[name]})" for name in POSITIVE if values[name] <= 0]
         problems += [f"--{name} must be >= 0 (got {values[name]})" for name in NON_NEGATIVE if values[name] < 0]
-        problems += [
-            f"--{name} must be > 0 or null (got {values[name]})"
-            for name in POSITIVE_OR_NONE
-            if values[name] is not None and values[name] <= 0
-        ]
+        not_positive = [name for name in POSITIVE_OR_NONE if values[name] is not None and values[name] <= 0]
+        problems += [f"--{name} must be > 0 or null (got {values[name]})" for name in not_positive]
         if self.max_steps == 0 or self.max_steps < -1:
             problems.append(f"--max_steps must be > 0, or -1 to train for num_train_epochs (got {self.max_steps})")
         if self.output_dir and "://" in self.output_dir:
@@ -125,8 +120,7 @@ class TrainConfig:
         if self.metric_for_best_model and self.greater_is_better is None:
             self.greater_is_better = not self.metric_for_best_model.endswith(("loss", "perplexity"))
         needs_eval = [name for name in NEEDS_EVAL if getattr(self, name)]
-        # Without training they don't apply: a run's config.yaml that kept the best model evaluates as it is.
-        if needs_eval and self.do_train and not self.do_eval:
+        if needs_eval and self.do_train and not self.do_eval:  # eval-only may reuse a best-model run's config.yaml
             problems.append(f"--{needs_eval[0]} needs evaluations during training: set --do_eval true")
         if problems:
             raise UsageError("; ".join(problems))
@@ -153,8 +147,7 @@ def normalize_report_to(value: str | list[str]) -> list[str]:
     known = [name for name in LoggerType.list() if name != "all"]
     for name in names:
         if name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
-            hint = f"did you mean {close[0]}? " if close else ""
+            hint = f"did you mean {close[0]}? " if (close := difflib.get_close_matches(name, known, n=1)) else ""
             raise UsageError(f"unknown --report_to {name}; {hint}use {', '.join(known)}, all or none")
         if name not in installed:
             raise UsageError(f"--report_to {name} needs its package: pip install {name}")
@@ -169,8 +162,8 @@ def resolve_global_batch(config: TrainConfig, num_processes: int) -> int:
     if config.global_batch_size % per_step:
         raise UsageError(
             f"--global_batch_size {config.global_batch_size} is not divisible by per-device batch "
-            f"{config.per_device_train_batch_size} x {num_processes} processes = {per_step}; "
-            f"pick a multiple of {per_step} or change --per_device_train_batch_size"
+            f"{config.per_device_train_batch_size} x {num_processes} processes = {per_step}; pick a "
+            f"multiple of {per_step} or change --per_device_train_batch_size"
         )
     steps = config.global_batch_size // per_step
     if config.gradient_accumulation_steps not in (1, steps):  # given, and not what the global batch makes
@@ -187,11 +180,9 @@ def field_help(cls) -> dict[str, str]:
     """name -> the comment ending the field's line in the source (its --help text), base dataclasses' too."""
     comments = {}
     for base in [c for c in reversed(cls.__mro__) if dataclasses.is_dataclass(c)]:
-        try:
-            source = textwrap.dedent(inspect.getsource(base))
-        except (OSError, TypeError):
-            continue
-        comments |= dict(re.findall(r"^    (\w+): .*?  # (.*)$", source, flags=re.MULTILINE))  # the class's own fields
+        with contextlib.suppress(OSError, TypeError):  # no source, e.g. made by make_dataclass
+            source = textwrap.dedent(inspect.getsource(base))  # its own fields: the lines indented 4 spaces
+            comments |= dict(re.findall(r"^    (\w+): .*?  # (.*)$", source, flags=re.MULTILINE))
     return comments
 
 

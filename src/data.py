@@ -1,5 +1,4 @@
-"""Reading a task's data: `datasets.load_dataset` on local Parquet/CSV/JSON files, image folders or a Hub name
-(`load_splits`); for tensor data, pyarrow Tables without `datasets` (`load_tables`, `column_tensor`)."""
+"""A task's data: `datasets.load_dataset` (local files, image folders, the Hub) or, for tensors, pyarrow Tables."""
 
 from pathlib import Path
 
@@ -58,7 +57,6 @@ def load_tables(config: TrainConfig, names: list[str] | None = None, columns: li
 
 
 def present(columns: list[str] | None, names: list[str]) -> list[str]:
-    """Those of `columns` (all if None) that a table with columns `names` has."""
     return names if columns is None else [name for name in columns if name in names]
 
 
@@ -85,9 +83,8 @@ def check_rows(rows: int, split: str) -> None:
 
 
 def column_tensor(table, name: str, split: str, missing_as_nan: bool = False):
-    """A pyarrow Table's column as datasets' torch format gives it: int64, float32 or bool, lists of one length (nested
-    too) a dimension each. A missing value is refused (one line naming the column), or with `missing_as_nan` a missing
-    float is NaN as datasets gives it. Through DLPack: pyarrow's to_numpy() would import pandas."""
+    """A Table's column as datasets' torch format gives it: int64, float32 or bool, equal-length lists a dimension each;
+    a missing value is refused, or NaN if a float and `missing_as_nan`. DLPack: to_numpy() would import pandas."""
     import pyarrow as pa
     import pyarrow.compute as pc
     import torch
@@ -102,8 +99,7 @@ def column_tensor(table, name: str, split: str, missing_as_nan: bool = False):
         column = pc.fill_null(column, float("nan"))
     if column.null_count:
         raise missing_values(name, column.null_count, split)
-    is_bool = pa.types.is_boolean(column.type)
-    if is_bool:  # bit-packed in Arrow: DLPack takes bytes
+    if is_bool := pa.types.is_boolean(column.type):  # bit-packed in Arrow: DLPack takes bytes
         column = pc.cast(column, pa.uint8())
     if not (pa.types.is_integer(column.type) or pa.types.is_floating(column.type)):
         raise UsageError(
@@ -115,8 +111,7 @@ def column_tensor(table, name: str, split: str, missing_as_nan: bool = False):
 
 
 def reads_local_files(config: TrainConfig) -> bool:
-    """--data_files without --dataset_name, or with a local-file builder as its name (`imagefolder`, `parquet`, ...):
-    the Hub is never asked."""
+    """Whether --data_files are read, never the Hub: no --dataset_name, or a local builder's (`imagefolder`, ...)."""
     if config.dataset_name not in (None, *LOCAL_BUILDERS):
         return False
     if not config.data_files:
@@ -142,12 +137,8 @@ def has_split(config: TrainConfig, name: str) -> bool:
 
 def missing_split(config: TrainConfig, name: str, available: list[str]) -> UsageError:
     """The error for a split the data lacks (read in full or streamed), naming the flag that fixes it."""
-    if name == config.train_split:
-        flag = "--train_split"
-    elif name == config.eval_split:
-        flag = "--eval_split" if config.do_train else "--eval_split (or --do_eval false)"
-    else:
-        flag = "--test_split"
+    eval_flag = "--eval_split" if config.do_train else "--eval_split (or --do_eval false)"
+    flag = "--train_split" if name == config.train_split else eval_flag if name == config.eval_split else "--test_split"
     where = "set" if config.dataset_name else "add it to --data_files or set"
     return UsageError(f"the data has no split {name!r} (it has {', '.join(available)}); {where} {flag}")
 
@@ -163,11 +154,10 @@ def file_builder(data_files: dict[str, str]) -> str:
         suffixes.add("a folder" if Path(path).is_dir() else Path(path).suffix.lower())
     if len(suffixes) != 1 or not suffixes <= {*FILE_BUILDERS, "a folder"}:
         raise UsageError(
-            f"data_files must all be one of {', '.join(FILE_BUILDERS)} or all folders of images "
-            f"(got {', '.join(sorted(suffixes))})"
+            f"data_files must all be one of {', '.join(FILE_BUILDERS)} or all folders of images (got "
+            f"{', '.join(sorted(suffixes))})"
         )
-    suffix = suffixes.pop()
-    return FOLDER_BUILDER if suffix == "a folder" else FILE_BUILDERS[suffix]
+    return FILE_BUILDERS.get(suffixes.pop(), FOLDER_BUILDER)  # or "a folder"
 
 
 def load_hub_dataset(config: TrainConfig):
@@ -186,8 +176,7 @@ def check_columns(split, wanted: list[str], flags: str) -> None:
 
 
 def check_complete(split, columns: list[str], name: str) -> None:
-    """No missing value in the `columns` of a `datasets.Dataset`, split `name` (a tokenizer or an image decoder would
-    fail on one with a traceback)."""
+    """No missing value in `columns` of a `datasets.Dataset`, split `name`: a tokenizer or image decoder would crash."""
     for column in columns:
         if count := split.data.column(column).null_count:
             raise missing_values(column, count, name)

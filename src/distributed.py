@@ -1,6 +1,5 @@
-"""Build the Accelerator so one command trains the same way on CPU, one GPU or N processes (docs/how_it_works.md).
-Without GPUs a plain `Accelerator()` under a multi-process launch forms no group (N independent trainings, silently):
-`cpu=True` gives gloo DDP, and a launcher's world size that differs from the group's is refused."""
+"""Build the Accelerator so one command trains alike on CPU, one GPU or N processes (docs/how_it_works.md). Without GPUs
+a plain `Accelerator()` forms no group (N separate trainings, silently): `cpu=True` gives gloo DDP."""
 
 import logging
 import os
@@ -42,8 +41,7 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
                 f"{cores} processes would; launch with --num_processes {cores} (the global batch stays the same)"
             )
     strategy_options = strategy.accelerator_options(use_cpu, config)  # cpu, and what FSDP/DeepSpeed need
-    # forms the group; its size fixes the accumulation
-    state = PartialState(**strategy.process_group_options(strategy_options))
+    state = PartialState(**strategy.process_group_options(strategy_options))  # forms the group
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched != state.num_processes:
         raise UsageError(
@@ -59,16 +57,13 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
             log_with=log_with,
             mixed_precision=config.mixed_precision,  # None: the accelerate config's
             project_dir=config.output_dir,
-            # sync_with_dataloader=False: the loop runs whole accumulation windows only, so no partial window at
-            # an epoch's end makes an extra, smaller optimiser step that a different process count would not make
+            # sync_with_dataloader=False: no extra step at an epoch's end that another process count would not make
             gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=accumulation, sync_with_dataloader=False),
-            # non_blocking: a batch's copy to the GPU (from pinned memory) overlaps the step; dispatch_batches=False:
-            # every process reads a streamed train set and keeps its slice (the default: the main one, on GPUs)
+            # non_blocking: pinned copies overlap the step; dispatch_batches=False: each process slices a stream itself
             dataloader_config=DataLoaderConfiguration(
                 use_seedable_sampler=True, non_blocking=not use_cpu, dispatch_batches=False
             ),
-            # on the CPU everything already is where it runs: placement would only re-check each batch
-            device_placement=not use_cpu,
+            device_placement=not use_cpu,  # on the CPU, placement would only re-check each batch
             **strategy_options,
         )
     except ValueError as err:  # e.g. fp16 without a GPU, or an accelerate config this machine can't run
@@ -82,8 +77,7 @@ WORLD_SIZES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD
 
 
 def launcher_started_one_of_many() -> bool:
-    """`accelerate launch --num_processes N` (N > 1) with no multi-process config, on a machine without GPUs (or with
-    --cpu): Accelerate's simple launcher runs the script once, with MASTER_PORT set for the N asked, no world size."""
+    """`accelerate launch --num_processes N>1`, no multi-process config, no GPU (or --cpu): one run, no world size."""
     env = os.environ
     return "ACCELERATE_USE_CPU" in env and "MASTER_PORT" in env and not any(name in env for name in WORLD_SIZES)
 
@@ -93,8 +87,8 @@ def usable_cores() -> int:
 
 
 def summed_loss_scale(accelerator, task, window: list) -> torch.Tensor:
-    """For a loss() that is a sum: processes x accumulation / the terms in the whole global batch (an exact integer
-    all-reduce). Accumulation and DDP average, so the gradient is that of the batch's mean term on any process count."""
+    """For a summed loss(): processes x accumulation / the global batch's terms (an exact integer all-reduce), so that
+    after accumulation and DDP average, the gradient is the mean term's on any process count."""
     counted = torch.as_tensor(sum(task.count_items(batch) for batch in window), device=accelerator.device)
     items = accelerator.reduce(counted.long(), reduction="sum").float()
     return accelerator.num_processes * accelerator.gradient_accumulation_steps / items.clamp_min(1)
@@ -104,8 +98,7 @@ CHECKPOINTING = ("activation_checkpointing_enable", "gradient_checkpointing_enab
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:
-    """Models opt in with an `activation_checkpointing_enable()` method (Hugging Face Transformers 5: the older name
-    warns that it goes in 6) or a `gradient_checkpointing_enable()` one (older Transformers, the GPT here)."""
+    """A model opts in with either method: Transformers 5 warns that `gradient_checkpointing_enable` goes in 6."""
     enable = next((getattr(model, name) for name in CHECKPOINTING if hasattr(model, name)), None)
     if enable is None:
         raise UsageError(
@@ -120,12 +113,11 @@ class SynchronisedBatchNorm(nn.modules.batchnorm._BatchNorm):
 
 
 def sync_batchnorm(model: nn.Module, accelerator) -> nn.Module:
-    """BatchNorm statistics over the global micro-batch: nn.SyncBatchNorm on CUDA, the sync_batchnorm feature's on CPU
-    processes (torch has none; `Feature.adapt_model` runs first). Warns where they stay per process or micro-batch."""
+    """BatchNorm statistics over the global micro-batch: nn.SyncBatchNorm on CUDA, on CPU the sync_batchnorm feature's
+    (torch has none; adapt_model put it in). Warns where they stay per process or per micro-batch."""
     batchnorms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     accumulation = accelerator.gradient_accumulation_steps
     if batchnorms and accumulation > 1:
-        # Each micro-batch is normalised by its own statistics, so how the global batch is cut changes training:
         # 1 process x 64 and 2 x 32 (synchronised) agree, 1 x 32 accumulated twice does not (docs/how_it_works.md)
         logger.warning(
             f"the model has BatchNorm and each optimiser step accumulates {accumulation} micro-batches: its statistics "

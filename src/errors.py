@@ -14,13 +14,12 @@ EXIT_WRITE_FAILED = 74  # a checkpoint could not be written or uploaded (the pre
 EXIT_PREEMPTED = 75  # preempted, a checkpoint saved: run the same command to resume; EX_TEMPFAIL, "try again"
 EXIT_LAUNCHER_GONE = 129  # 128 + SIGHUP, as a process whose terminal hung up (src/preemption.py)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
-# the codes of a run that said why in its one line (not 1, an unexpected failure's, nor 129: no one reads that one)
 DOCUMENTED_EXIT_CODES = (EXIT_USAGE, EXIT_DIVERGED, EXIT_TASK_FAILED, EXIT_WRITE_FAILED, EXIT_PREEMPTED)
-DOCUMENTED_EXIT_CODES += (EXIT_INTERRUPTED,)
+DOCUMENTED_EXIT_CODES += (EXIT_INTERRUPTED,)  # those of a run that said why: not 1 (unexpected), nor 129 (unread)
 
 
 class RunStopped(Exception):
-    """A run that ends early for a known reason: its message is the one line shown, `exit_code` the status."""
+    """A run ending early for a known reason: its message is the one line shown, `exit_code` the status."""
 
     exit_code = 1
     prefix = "error"
@@ -28,13 +27,13 @@ class RunStopped(Exception):
 
 
 class UsageError(RunStopped):
-    """The user's input is wrong (config, flags, data, paths). The message names the problem and the fix."""
+    """The user's input is wrong (config, flags, data, paths); the message names the problem and the fix."""
 
     exit_code = EXIT_USAGE
 
 
 class LaunchError(UsageError):
-    """The launch asks for something this machine can't run; every process finds it, the first says it."""
+    """A launch this machine can't run: every process finds it, the first says it."""
 
     main_process_only = True
 
@@ -63,20 +62,16 @@ def is_main_process() -> bool:
 
 
 def say(line: str) -> None:
-    """One line to stderr in one write: print writes the newline apart, and the lines of processes sharing a
-    terminal or pipe would interleave ("error: a error: b" then two newlines)."""
+    """In one write: print writes the newline apart, and lines of processes sharing a terminal would interleave."""
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
 
 
 def first_to_say(line: str, main_process_only: bool = False) -> bool:
-    """Whether this process is the first of its launch to say `line`: an error every rank finds is said once, by
-    whichever rank gets there first (the launcher stops the others as soon as one exits: a line left to rank 0 could
-    be lost). The claim is a file created exclusively in torch elastic's folder for this launch attempt
-    (TORCHELASTIC_ERROR_FILE is <folder>/<rank>/error.json), which the ranks of a node share. Without that folder
-    every process says its line, or only the main one if `main_process_only` (the line is the same on every one)."""
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
+    """Whether this process says `line` first (the launcher stops the rest once one exits: left to rank 0 it could be
+    lost): a file made exclusively in <folder> of TORCHELASTIC_ERROR_FILE=<folder>/<rank>/error.json, which a node's
+    ranks share. Without it: every process says it, or only the main one if `main_process_only`."""
+    if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
         try:
             (Path(error_file).parent.parent / f"said-{hashlib.sha1(line.encode()).hexdigest()}").touch(exist_ok=False)
             return True
@@ -88,16 +83,13 @@ def first_to_say(line: str, main_process_only: bool = False) -> bool:
 
 
 def let_threads_settle(num_processes: int | None = None) -> None:
-    """50 ms with the GIL released after the last collective, on N processes (default: WORLD_SIZE): the DDP model freed
-    as the run returns destroys gloo's group, which joins its threads holding the GIL while one may still need it: a
-    hang for good (pytorch#56297, docs/how_it_works.md; no test can force it)."""
+    """Sleep 50 ms, GIL released, after the last collective on N processes (default WORLD_SIZE): freeing the DDP model
+    ends gloo's group, joining its threads while holding the GIL one of them needs: a hang (pytorch#56297)."""
     if (num_processes or int(os.environ.get("WORLD_SIZE", "1"))) > 1:
         time.sleep(0.05)
 
 
 def command_line(fn):
-    """Wrap a command-line entry point so each way of stopping early gets its line and exit code."""
-
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:

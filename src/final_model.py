@@ -1,5 +1,4 @@
-"""The final model: `output_dir/model/` in the task's format, written from every process's shards, and read back
-(`--model_name_or_path` a run, its model/ or a checkpoint)."""
+"""The final model: `output_dir/model/` in the task's format, written from every process's shards, and read back."""
 
 from dataclasses import replace
 from pathlib import Path
@@ -13,23 +12,19 @@ from src.run_dir import CONFIG_FILE, MODEL_DIR, STATE_FILE
 
 
 def save_final_model(accelerator, task, model, output_dir: Path) -> Path:
-    """export_model into output_dir/model/, then every process waits for it."""
     export_model(accelerator, task, model, output_dir / MODEL_DIR)
     accelerator.wait_for_everyone()
     return output_dir / MODEL_DIR
 
 
 def export_model(accelerator, task, model, directory: Path) -> None:
-    """task.save_model into `directory` (model/, or a checkpoint's model/). Unless the run is DeepSpeed, deepspeed
-    looks uninstalled meanwhile: Accelerate's unwrap_model (in save_model and get_state_dict) would import it (~1 s and
-    ~55 MB: it brings mlflow) only to find no DeepSpeedEngine."""
+    """task.save_model into `directory`, deepspeed hidden unless a DeepSpeed run (unwrap_model imports it: ~1 s)."""
     with deepspeed_only_if_used(accelerator):
         task.save_model(accelerator, model, directory)
 
 
 def load_weights(model, path: str):
-    """The weights in a saved model folder (model.safetensors, or shards with an index) or a checkpoint, into
-    `model`, returned; every parameter must be there with its shape (a different --model or size is one clear line)."""
+    """A saved model's or checkpoint's weights into `model`, returned; strict: every parameter there, with its shape."""
     from accelerate.utils import load_checkpoint_in_model
 
     folder = saved_model_dir(path)
@@ -54,9 +49,8 @@ def saved_model_dir(path: str) -> Path:
 
 
 def model_to_evaluate(config: TrainConfig) -> TrainConfig:
-    """`--do_train false` into a trained run's folder evaluates that run's model/: also when the run's own
-    config.yaml names the model it started from (`--config runs/x/config.yaml --do_train false`). Any other model's
-    results there are refused, so a run's eval_results.json and predictions are never another model's."""
+    """`--do_train false` into a trained run's folder evaluates its model/, also where its config.yaml names the start
+    model; any other model is refused there, so the run's eval_results.json and predictions stay its own."""
     run, model = Path(config.output_dir), config.model_name_or_path
     if not (run / MODEL_DIR).is_dir() or Path(model).resolve().is_relative_to(run.resolve()):
         return config  # a fresh folder, or this run's model/, a checkpoint of it, or the run folder itself

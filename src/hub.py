@@ -7,8 +7,7 @@ from src.errors import UsageError
 
 
 def check_hub_repo(name: str, kind: str, flag: str, instead: str) -> None:
-    """A Hub dataset or model that isn't cached: one request with a 10 s timeout, not ~23 s of retries.
-    `kind`: "dataset" or "model"; `instead`: what to do offline."""
+    """An uncached Hub dataset or model (`kind`): one 10 s request, not ~23 s of retries; `instead`: the offline way."""
     from huggingface_hub import HfApi
     from huggingface_hub.constants import HF_HUB_CACHE
     from huggingface_hub.errors import RepositoryNotFoundError

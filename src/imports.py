@@ -1,8 +1,7 @@
-"""What a run imports: only what it uses. Some libraries import an optional package wherever it is installed, just to
-ask a question this run already knows the answer to; `hidden` makes such a package look uninstalled for that moment:
-transformers while evaluate is imported (src/metrics.py), deepspeed in `Accelerator.prepare` and while a model is
-saved unless the run is DeepSpeed (src/accelerator.py, src/final_model.py), datasets while Accelerate shards a data
-loader (src/accelerator.py), mlflow while DeepSpeed is imported (src/features/deepspeed)."""
+"""What a run imports: only what it uses. Some libraries import an optional package wherever installed, just to ask what
+this run knows; `hidden` hides it then: transformers while evaluate is imported (src/metrics.py), deepspeed in
+`Accelerator.prepare` and saving unless the run is DeepSpeed (src/accelerator.py, src/final_model.py), datasets while
+Accelerate shards a loader (src/accelerator.py), mlflow while DeepSpeed is imported (src/features/deepspeed)."""
 
 import contextlib
 import sys
@@ -10,8 +9,7 @@ import sys
 
 @contextlib.contextmanager
 def hidden(name: str):
-    """Inside, package `name` looks uninstalled: importlib's `find_spec` says None and `import name` raises ImportError
-    (a None in sys.modules). A package that is imported already stays as it is."""
+    """Inside, `name` looks uninstalled (a None in sys.modules: find_spec None, ImportError) unless imported already."""
     if name in sys.modules:
         yield
         return

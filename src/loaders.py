@@ -14,15 +14,13 @@ logger = logging.getLogger(__name__)
 
 
 def global_batch(config: TrainConfig, accelerator) -> int:
-    """The samples of one optimiser step over all processes: per-device batch x processes x accumulation (processes
-    that read different batches: tensor-parallel ranks share theirs)."""
+    """Samples per optimiser step: device batch x accumulation x data-parallel size (tensor-parallel ranks share)."""
     processes = strategy.data_parallel_size(accelerator.num_processes)
     return config.per_device_train_batch_size * processes * accelerator.gradient_accumulation_steps
 
 
 def build_loaders(task, config: TrainConfig, accelerator, training: bool, pin_memory: bool = False):
-    """(train loader, eval loader) before `prepare`: the train loader when training (a feature's own, e.g. a stream,
-    or one over the task's datasets, checked first), the eval loader when training or evaluating."""
+    """(train, eval) loaders before `prepare`, None if unused: train a feature's (a stream) or the task's, checked."""
     train_loader = features.installed().train_loader(task, config, pin_memory) if training else None
     if training and train_loader is None:
         train_set, eval_set = task.build_datasets()
@@ -40,10 +38,11 @@ def build_loaders(task, config: TrainConfig, accelerator, training: bool, pin_me
 def build_dataloaders(train_set: Dataset, eval_set: Dataset, config: TrainConfig, collate_fn=None, pin_memory=False):
     if config.max_train_samples:
         train_set = Subset(train_set, range(min(config.max_train_samples, len(train_set))))
+    # shuffle: Accelerate replaces the sampler with a seedable one, the same order on 1 or N processes
     train_loader = DataLoader(
         train_set,
         batch_size=config.per_device_train_batch_size,
-        shuffle=True,  # Accelerate replaces the sampler with a seedable one: same order on 1 or N processes
+        shuffle=True,
         drop_last=config.dataloader_drop_last,
         num_workers=config.dataloader_num_workers,
         collate_fn=collate_fn,
@@ -66,9 +65,8 @@ def build_eval_loader(dataset: Dataset, config: TrainConfig, collate_fn=None, ma
 
 
 def build_test_and_predict_loaders(task, config: TrainConfig, pin_memory: bool = False):
-    """(test loader, predicted split, predict loader). The labelled test split, evaluated at the end, when the data has
-    one and --do_eval is on; --do_predict's split (the test split, or the eval split where the data has no test split)
-    and the task's unlabelled inputs of it (a language model's prompts), one per row, in order. None: not asked for."""
+    """(test loader, predicted split, predict loader), None if not asked: the labelled test split if the data has one
+    and --do_eval; --do_predict's split (test, else eval) as unlabelled inputs (an LM's prompts), in order."""
     has_test = (config.do_eval or config.do_predict) and has_split(config, config.test_split)
     test_loader = predict_split = predict_loader = None
     if config.do_eval and has_test:
@@ -83,8 +81,7 @@ def build_test_and_predict_loaders(task, config: TrainConfig, pin_memory: bool =
 
 def check_first_batch(loader: DataLoader, task) -> None:
     """Collate one batch before training: a sample format the collate_fn can't batch is one line, not a traceback."""
-    dataset = loader.dataset
-    samples = [dataset[i] for i in range(min(loader.batch_size or 1, len(dataset)))]
+    samples = [loader.dataset[i] for i in range(min(loader.batch_size or 1, len(loader.dataset)))]
     try:
         (loader.collate_fn or default_collate)(samples)
     except Exception as err:

@@ -1,5 +1,4 @@
-"""What the loop measures: the loss window, the step timer, throughput and MFU, memory. `TrainMeters` holds them and
-makes a log step's metrics; src/tracking.py prints and writes them."""
+"""What the loop measures: the loss window, the step timer, throughput and MFU, memory; src/tracking.py writes them."""
 
 import contextlib
 import resource
@@ -12,27 +11,24 @@ from src.errors import TrainingDiverged
 
 
 def peak_memory_gb(device: torch.device) -> float:
-    """Peak CUDA memory allocated on this process's GPU, or the process's peak resident memory elsewhere."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kilobytes on Linux
 
 
 class LossWindow:
-    """The micro-batch losses since the last log line (`values`, `first_step`: a resumed run's), kept on the device (no
-    host sync per step), averaged over processes at log time. A NaN/inf one stops the run there, naming its step, before
-    a checkpoint can save damaged weights; with `skip_nonfinite` it is left out (the loop skips its optimiser step)."""
+    """Micro-batch losses since the last log (`first_step`: the optimiser step of the first), kept on the device (no
+    host sync per step), averaged over processes at log time. A NaN/inf one stops the run, naming its step, before a
+    checkpoint can save damaged weights; with `skip_nonfinite` it is left out (the loop skips its optimiser step)."""
 
     def __init__(self, accelerator, skip_nonfinite: bool, values: list[float], first_step: int):
-        self.accelerator, self.skip_nonfinite = accelerator, skip_nonfinite
+        self.accelerator, self.skip_nonfinite, self.first_step = accelerator, skip_nonfinite, first_step
         self.values = [torch.tensor(value, device=accelerator.device) for value in values]
-        self.first_step = first_step  # the optimiser step the first value in the window belongs to
 
     def add(self, loss: torch.Tensor) -> None:
         self.values.append(loss.detach())  # a list append costs less per step than writing into a tensor
 
     def reduced(self) -> torch.Tensor:
-        """The window's values, each averaged over processes; a non-finite one raises, or is left out when skipping."""
         if not self.values:
             return torch.zeros(0)
         window = torch.stack(self.values).float()
@@ -50,15 +46,14 @@ class LossWindow:
         return window[finite]
 
     def mean(self, next_step: int) -> float:
-        """Mean over the window and all processes; empties the window."""
         window = self.reduced()
         self.values, self.first_step = [], next_step
         return window.mean().item() if window.numel() else float("nan")
 
 
 class StepTimer:
-    """Seconds per optimiser step since `restart(step)`; evaluation and checkpoints run inside `paused()`. It counts
-    its own steps: after a resume the loss window holds steps trained before the restart, which the clock didn't see."""
+    """Seconds per optimiser step since `restart(step)`, evaluation and checkpoints left out (`paused()`). It counts its
+    own steps: a resumed loss window holds steps the clock didn't see."""
 
     def __init__(self, step: int):
         self.restart(step)
@@ -76,8 +71,7 @@ class StepTimer:
         self.start += time.perf_counter() - paused_at
 
 
-# bf16 dense tensor-core peak per GPU, from the vendors' data sheets; MFU is logged only for GPUs listed here
-# (the most specific name first: "L40S" and "L40" before "L4", "H100 PCIe" and "H100 NVL" before "H100")
+# bf16 dense tensor-core peak per GPU (data sheets), MFU only for these; the most specific name first ("L40S", "L4")
 PEAK_FLOPS = {"H200 NVL": 835e12, "H200": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12,
               "A100": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10G": 70e12}  # fmt: skip
 
@@ -104,8 +98,7 @@ def throughput_metrics(task, accelerator):
 
 
 def local_bytes(tensor: torch.Tensor) -> int:
-    """Bytes this process holds of a tensor: a DTensor's local shard, a ZeRO-3 parameter's partition (`ds_tensor`;
-    its `.data` is empty between gathers), else the tensor."""
+    """This process's bytes of a tensor: a DTensor's local shard, a ZeRO-3 partition (`ds_tensor`; `.data` is empty)."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(tensor, DTensor):
@@ -144,9 +137,8 @@ class TrainMeters:
         }
 
     def shard_bytes(self) -> dict:
-        """The proof that a strategy shards: each process's parameter and optimiser-state bytes, the largest over the
-        processes (what has to fit on every device), measured on the prepared objects at a start's first log step (a
-        torch optimiser's state exists only after its first step); {} after it. Every process calls it (it gathers)."""
+        """Proof that a strategy shards: the largest per-process parameter and optimiser-state bytes (what must fit on
+        each device), at a start's first log step (optimiser state exists after a step), then {}; collective."""
         if self.shard_bytes_logged:
             return {}
         self.shard_bytes_logged = True

@@ -1,6 +1,4 @@
-"""Evaluation metrics: `accuracy` built in, any other name an `evaluate` module (src/evaluate_metrics/<name> first,
-then a path or the Hub). Every process computes the metric on the same gathered predictions (`evaluate` in train.py),
-so all processes agree: no "4 accuracies on 4 GPUs"."""
+"""Evaluation metrics, computed by every process on the same gathered predictions: no "4 accuracies on 4 GPUs"."""
 
 import uuid
 from collections import Counter
@@ -16,16 +14,14 @@ LOCAL_METRICS = Path(__file__).parent / "evaluate_metrics"
 
 
 class Metric(Protocol):
-    """What evaluation asks of a metric (an `evaluate` module is one): every gathered batch's numpy arrays, then the
-    results of everything added since the last compute(), which starts the next evaluation empty."""
+    """What evaluation asks of a metric (an `evaluate` module is one); add_batch gets numpy arrays, compute() resets."""
 
     def add_batch(self, *, predictions, references) -> None: ...
     def compute(self) -> dict: ...
 
 
 class Accuracy:
-    """The fraction of predictions equal to their reference since the last compute(). Built in: a run that needs no
-    other metric never imports `evaluate` (nor `datasets`: ~0.7 s to the first step, ~50 MB, docs/benchmark.md)."""
+    """Built in: a run needing no other metric imports neither `evaluate` nor `datasets` (~0.7 s, docs/benchmark.md)."""
 
     correct = total = 0  # since the last compute()
 
@@ -57,31 +53,25 @@ class Metrics(list):
 
     def compute(self) -> dict:
         results = [metric.compute() for metric in self]
-        twice = sorted(name for name, count in Counter(name for r in results for name in r).items() if count > 1)
-        if twice:
+        if twice := sorted(name for name, count in Counter(name for r in results for name in r).items() if count > 1):
             raise TaskFailed(f"two metrics both give {', '.join(twice)}; keep one of them in --metrics")
         return {name: value for result in results for name, value in result.items()}
 
 
 def load_metrics(names: list[str]) -> Metric | None:
-    """One object computing all `names` (None if there are none): the built-in ones, and one `evaluate` combination
-    of the others, each a local module name, a path to one or a name `evaluate.load` takes as is."""
+    """One object computing all `names` (None if none): the built-in ones and `evaluate` modules (local, path, Hub)."""
     if not names:
         return None
     if len(set(names)) < len(names):
         raise UsageError(f"--metrics names a metric twice ({', '.join(names)}); name each once")
     metrics = [BUILT_IN[name]() for name in names if name in BUILT_IN]
-    others = [name for name in names if name not in BUILT_IN]
-    if others:
-        # `import evaluate` without importing transformers (~0.6 s of CPU, 30 MB, docs/benchmark.md): evaluate imports
-        # it, if it can, only for its pipeline `evaluator`s, which metrics do not use; a task that uses transformers
-        # has loaded it already.
+    if others := [name for name in names if name not in BUILT_IN]:
+        # `import evaluate` without transformers (~0.6 s, 30 MB, docs/benchmark.md): only its pipeline evaluators use it
         import datasets  # noqa: F401  (first: it asks whether transformers is installed without importing it)
 
         with hidden("transformers"):
             import evaluate
-        # A fresh experiment id per load: processes on one machine never wait on each other's cache-file locks.
-        # (keep_in_memory=True would avoid the files, but fails on Python 3.12.3: its fingerprint pickles pyarrow types)
+        # a fresh id per load: no process waits on another's cache lock (keep_in_memory=True fails on Python 3.12.3)
         experiment = uuid.uuid4().hex
         paths = [str(LOCAL_METRICS / name) if (LOCAL_METRICS / name).is_dir() else name for name in others]
         metrics.append(evaluate.combine([evaluate.load(path, experiment_id=experiment) for path in paths]))

@@ -1,5 +1,4 @@
-"""Optimiser and learning-rate schedule, counted in optimiser steps, whatever the process count (early stopping:
-src/best.py)."""
+"""Optimiser and learning-rate schedule, in optimiser steps whatever the process count (early stopping: src/best.py)."""
 
 import logging
 import math
@@ -13,15 +12,12 @@ logger = logging.getLogger(__name__)
 
 
 def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW; no weight decay on biases and normalisation weights (1-D parameters), as usual. Fused, as Trainer's
-    default (`adamw_torch_fused`): one kernel for the whole update on a GPU and on the CPU, where torch's default
-    loops over the parameters (~1.3 ms a step more on a tiny BERT, docs/benchmark.md; the same update but for the
-    last bits)."""
+    """AdamW, no weight decay on 1-D parameters (biases, norms); fused as Trainer's default (`adamw_torch_fused`): one
+    kernel, not a loop over parameters (~1.3 ms a step less on a tiny BERT, docs/benchmark.md), equal up to rounding."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    betas = (config.adam_beta1, config.adam_beta2)
-    return torch.optim.AdamW(groups, lr=config.learning_rate, betas=betas, fused=True)
+    return torch.optim.AdamW(groups, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), fused=True)
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, kind: str) -> float:
@@ -31,9 +27,7 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, kind: str) -> floa
     if kind in ("constant", "constant_with_warmup"):
         return 1.0
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    if kind == "linear":
-        return 1.0 - progress
-    return 0.5 * (1.0 + math.cos(math.pi * progress))  # cosine
+    return 1.0 - progress if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))  # else cosine
 
 
 def build_scheduler(optimizer, config: TrainConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
@@ -43,6 +37,5 @@ def build_scheduler(optimizer, config: TrainConfig, total_steps: int) -> torch.o
             "--warmup_steps %d covers all %d steps of this run: the learning rate only rises; lower --warmup_steps",
             *(warmup, total_steps),
         )
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, total_steps, warmup, config.lr_scheduler_type)
-    )
+    kind = config.lr_scheduler_type
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, warmup, kind))

@@ -1,6 +1,5 @@
-"""Preemption: SIGTERM or SIGUSR1 (SLURM's warning before the time limit) becomes a checkpoint at a step boundary,
-agreed on by every process; the run then exits with EXIT_PREEMPTED and the same command resumes it. A launcher that
-dies (SIGKILL, the OOM killer) takes the same path: its processes never train on unsupervised (`watch_launcher`)."""
+"""Preemption: SIGTERM or SIGUSR1 (SLURM's warning), or the launcher's death (SIGKILL, the OOM killer), becomes a
+checkpoint at a step boundary agreed on by every process, then EXIT_PREEMPTED; the same command resumes."""
 
 import atexit
 import contextlib
@@ -23,10 +22,9 @@ _noticing = threading.Lock()
 
 
 def watch_launcher() -> None:
-    """In a rank torch elastic started (each in a session of its own, so a launcher killed with SIGKILL takes none
-    along), once: a thread that stops the rank within seconds of its parent, the launcher's agent, changing
-    (docs/resume.md). Polling, not prctl(PR_SET_PDEATHSIG): that is Linux-only, fires when the *thread* that forked
-    the rank exits, and races with a parent that died before the rank set it."""
+    """Once, in a torch elastic rank (in a session of its own: a SIGKILLed launcher takes none along): a thread that
+    stops the rank soon after its parent changes (docs/resume.md). Polling: PR_SET_PDEATHSIG is Linux-only, fires when
+    the *thread* that forked the rank exits, and races with a parent that died first."""
     if not _launcher and "TORCHELASTIC_RUN_ID" in os.environ and "WORLD_SIZE" in os.environ:
         _launcher.append(os.getppid())
         threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
@@ -34,9 +32,8 @@ def watch_launcher() -> None:
 
 
 def exit_now_if_launcher_gone() -> None:
-    """At interpreter exit with the launcher gone (an error raised once a peer stopped, or the preemption path's exit):
-    stop now. The interpreter's teardown (a process group's, waiting on that peer) can take seconds, and once it has
-    begun, the watch thread can no longer run to end it."""
+    """At interpreter exit with the launcher gone, stop now: teardown can wait seconds on a gone peer, and once it has
+    begun the watch thread can no longer run to end it."""
     if _launcher_gone.is_set():
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):  # a closed pipe, a closed file
@@ -45,8 +42,8 @@ def exit_now_if_launcher_gone() -> None:
 
 
 def launcher_gone() -> bool:
-    """Whether the watched launcher is gone. The first to find it gone, the watch thread or the loop (a peer noticed
-    first and the ranks agreed to stop: rank 0 says why before its checkpoint), says so and sets `_launcher_gone`."""
+    """Whether the watched launcher is gone; the first to find it (the watch thread, or the loop once the ranks agreed
+    to stop) says so and sets `_launcher_gone`."""
     if not _launcher or os.getppid() == _launcher[0]:
         return False
     with _noticing:
@@ -71,19 +68,16 @@ def watch() -> None:
 
 
 class PreemptionSignals(contextlib.AbstractContextManager):
-    """SIGTERM / SIGUSR1, or the launcher's death, ask for a checkpoint at a step boundary. Processes may be signalled
-    at different steps, so every `every`-th step starts a background all-reduce of the flag on a gloo group and reads
-    the one started `every` steps earlier: all see the same sum at the same step, and no step waits for the network.
-    `every` is 1 on GPUs, 10 on CPU processes (gloo's background work takes cores from training, docs/resume.md)."""
+    """Processes may be signalled at different steps: every `every`-th step starts a background gloo all-reduce of the
+    flag and reads the one started `every` steps earlier, so all agree at the same step and none waits."""
 
-    CPU_EVERY = 10
+    CPU_EVERY = 10  # `every` on CPU processes (1 on GPUs): gloo's background work takes cores (docs/resume.md)
 
     def __init__(self, accelerator):
         self.alone = accelerator.num_processes == 1
         self.received, self.previous = False, {}  # previous: the handlers replaced, restored on exit
         for name in ("SIGTERM", "SIGUSR1"):
-            # ValueError outside the main thread (some notebook runners): then no handler, as before
-            with contextlib.suppress(ValueError, AttributeError):
+            with contextlib.suppress(ValueError, AttributeError):  # ValueError off the main thread: no handler
                 self.previous[name] = signal.signal(getattr(signal, name), self.handle)
         _launcher_listeners.append(self.handle)
         if _launcher_gone.is_set():  # the watch may have read its listeners already

@@ -30,8 +30,7 @@ def prepare_output_dir(accelerator, config: TrainConfig, resume_step: int | None
     """Every process checks, then the main process writes: a refused run leaves every file as it was. A previous run
     that never finished an optimiser step holds nothing worth keeping: it is replaced, so the same command reruns."""
     output_dir = Path(config.output_dir)
-    artifacts = [*RUN_FILES, *TRACKER_FILES, config.project_name]  # tensorboard logs go to output_dir/project_name
-    previous = [name for name in artifacts if (output_dir / name).exists()]
+    previous = [name for name in (*RUN_FILES, *TRACKER_FILES, config.project_name) if (output_dir / name).exists()]
     replacing = previous and resume_step is None
     asked = config.overwrite_output_dir or config.resume_from_checkpoint == "latest" or not trained_any_step(output_dir)
     if replacing and not asked:

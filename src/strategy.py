@@ -1,6 +1,4 @@
-"""The parallel strategy an accelerate config asks for (`accelerate launch` passes it as ACCELERATE_USE_FSDP, FSDP_*,
-... variables), what this machine can't give it, and FSDP2 on CPU processes, so that CI proves it without GPUs
-(docs/sharded.md). DeepSpeed is a feature's (src/features/deepspeed/), reached through the same calls."""
+"""The accelerate config's strategy, what this machine can't give it, FSDP2 on CPU for CI (docs/sharded.md)."""
 
 import os
 
@@ -15,13 +13,11 @@ FSDP, DEEPSPEED = "FSDP", "DEEPSPEED"
 
 
 def requested_strategy() -> str | None:
-    """FSDP or DEEPSPEED when the accelerate config asks for one, else None (DDP, or one process)."""
     return next((n for n in (FSDP, DEEPSPEED) if os.environ.get(f"ACCELERATE_USE_{n}", "").lower() == "true"), None)
 
 
 def check_launch(use_cpu: bool, config=None) -> None:
-    """What an accelerate config asks for that this machine can't give, found by every process before any forms a
-    group: one line instead of a traceback per rank. `config` None: the accelerate config alone (scripts/launch.py)."""
+    """What the accelerate config asks that this machine can't give, found by each process before a group forms."""
     precision = (config and config.mixed_precision) or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     if use_cpu and precision == "fp16":
         raise LaunchError(
@@ -43,7 +39,6 @@ def check_launch(use_cpu: bool, config=None) -> None:
 
 
 def accelerator_options(use_cpu: bool, config) -> dict:
-    """The Accelerator's strategy arguments: `cpu`, FSDP's plugin on CPU processes, or a feature's (DeepSpeed)."""
     options = features.installed().accelerator_options(use_cpu, config)
     if options is not None:
         return options
@@ -62,18 +57,15 @@ def process_group_options(options: dict) -> dict:
 
 
 def enable_fsdp_on_cpu(accelerator, plugin) -> None:
-    """Make a MULTI_CPU Accelerator an FSDP2 one. `AcceleratorState.__init__` switches to FSDP for GPU-like types only
-    (accelerate/state.py: `elif self.distributed_type in [DistributedType.MULTI_GPU, ...]`), so with `cpu=True` the
-    plugin is dropped and the model silently becomes DDP. This makes that switch in both shared states
-    (AcceleratorState copies PartialState's; later lookups read either), sets the plugin's precision, checks it held."""
+    """FSDP2 on a MULTI_CPU Accelerator: `AcceleratorState.__init__` (accelerate/state.py) switches to FSDP for GPU-like
+    types only, so `cpu=True` drops the plugin (silently DDP); both shared states switch (lookups read either)."""
     state = accelerator.state
     if state.distributed_type != DistributedType.MULTI_CPU:
         raise LaunchError(
             f"FSDP on CPU processes expects Accelerate's MULTI_CPU state, got {state.distributed_type} "
             f"(accelerate changed?); use accelerate_configs/ddp.yaml on this machine"
         )
-    state.distributed_type = DistributedType.FSDP
-    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     state.fsdp_plugin = plugin
     if state.mixed_precision != "no":
         plugin.set_mixed_precision(state.mixed_precision)
@@ -85,8 +77,7 @@ def enable_fsdp_on_cpu(accelerator, plugin) -> None:
 
 
 def data_parallel_size(num_processes: int) -> int:
-    """The processes that read different batches: an accelerate config's tensor/context-parallel ranks read the same
-    ones (Accelerate's prepared loaders: process_index // tp_size), so the global batch counts them once."""
+    """Processes reading different batches: tensor/context-parallel ranks share theirs (process_index // tp_size)."""
     return num_processes // ParallelismConfig().non_data_parallel_size
 
 
@@ -106,9 +97,7 @@ def strategy_of(model: nn.Module) -> str:
     dims = {d for p in model.parameters() if isinstance(p, DTensor) for d in p.device_mesh.mesh_dim_names or ("",)}
     if dims:  # sharded; over a "tp" dimension too (the tensor_parallel feature's plan), or in replicas (HSDP)
         return "FSDP2+TP" if "tp" in dims else "HSDP" if "dp_replicate" in dims else "FSDP2"
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        return "DDP"
-    return "single process"
+    return "DDP" if isinstance(model, nn.parallel.DistributedDataParallel) else "single process"
 
 
 def fsdp_units(model: nn.Module) -> int:

@@ -1,6 +1,4 @@
-"""What the main process alone writes: console lines, `metrics.jsonl`, trackers (wandb, mlflow, ...), the progress bar.
-The rule lives here, once (other processes' consoles are silenced; Accelerate's `log` and `init_trackers` run on the
-main process only), so the training loop never asks which rank it is on."""
+"""What the main process alone writes (console, metrics.jsonl, trackers, progress bar): the loop never asks its rank."""
 
 import contextlib
 import json
@@ -30,20 +28,18 @@ def setup_logging(accelerator) -> None:
     logging.basicConfig(format="%(asctime)s %(message)s", datefmt="%H:%M:%S", level=level, force=True)
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its INFO lines repeat ours, some wrongly
     logging.getLogger("accelerate.tracking").setLevel(logging.ERROR)  # "dropped a string" for setup/device etc.
-    # The one place that filters Python warnings: other processes show none; the main one each once per message
-    # (libraries that change the filters reset Python's once-per-line memory), never DeepSpeed's ZeRO gathering and
-    # reduce-scattering with torch.distributed's old names at every step (a library's own: PEFT's is quiet_peft's).
+    # The one place filtering warnings (bar quiet_peft's): each once on the main (libraries reset once-per-line memory)
     if not accelerator.is_main_process:
         warnings.filterwarnings("ignore")
         return
     for category in (FutureWarning, UserWarning):
         warnings.filterwarnings("once", category=category)
     deprecated = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
-    warnings.filterwarnings("ignore", message=deprecated, category=FutureWarning)
+    warnings.filterwarnings("ignore", message=deprecated, category=FutureWarning)  # DeepSpeed ZeRO's, at every step
 
 
 class JsonlTracker(GeneralTracker):
-    """An Accelerate tracker writing one JSON object per `accelerator.log` call to `output_dir/metrics.jsonl`."""
+    """An Accelerate tracker: one JSON object per `accelerator.log` call, appended to `output_dir/metrics.jsonl`."""
 
     name = "jsonl"
     requires_logging_directory = False
@@ -64,7 +60,6 @@ class JsonlTracker(GeneralTracker):
 
 
 def build_trackers(config: TrainConfig) -> list:
-    """`log_with`: metrics.jsonl always, plus whatever --report_to names."""
     return [JsonlTracker(Path(config.output_dir) / METRICS_FILE), *config.report_to]
 
 
@@ -95,8 +90,7 @@ def start_tracking(accelerator, config: TrainConfig, resume_run_id: str | None =
 
 
 def configure_wandb(config: TrainConfig) -> None:
-    """No WANDB_MODE and no credentials (WANDB_API_KEY, or a netrc entry as `wandb login` writes): go offline instead
-    of prompting forever (or crashing without a TTY)."""
+    """Without WANDB_MODE or keys (WANDB_API_KEY, a netrc entry from `wandb login`): offline, not a prompt forever."""
     if os.environ.get("WANDB_MODE") or os.environ.get("WANDB_API_KEY"):
         return
     with contextlib.suppress(FileNotFoundError, netrc.NetrcParseError):
@@ -110,7 +104,6 @@ def configure_wandb(config: TrainConfig) -> None:
 
 
 def setup_metrics(accelerator, model, config: TrainConfig, global_batch: int) -> dict:
-    """Logged once per start: what a reader of the curves needs to know about the run."""
     strategy = strategy_of(model)
     return {
         "setup/parameters": parameter_count(model),
@@ -134,7 +127,6 @@ def parameter_count(model, trainable_only: bool = False) -> int:
 
 
 def log_metrics(accelerator, metrics: dict, step: int) -> None:
-    """To every tracker (metrics.jsonl included) and one console line, main process only."""
     accelerator.log(metrics, step=step)
     line = " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
     logger.info("step %d | %s", step, line)

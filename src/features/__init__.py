@@ -1,24 +1,10 @@
-"""Features: the optional parts of the template, one package each in src/features/, found by looking.
-
-A feature reaches a run through the hooks of `Feature` (each does nothing unless overridden) and brings its own
-options: an `Options` dataclass whose fields join the command line, the YAML config and config.yaml, as a task's do.
-The core never imports a feature by name: deleting its package (and its features.yaml paths) removes it, flags and all.
-
-    class MirrorFeature(Feature):
-        @dataclass
-        class Options:
-            output_mirror: str | None = None  # this comment is the --help text
-
-        def on_checkpoint(self, accelerator, config, checkpoint, state): ...
-
-    FEATURE = MirrorFeature()  # in src/features/<name>/__init__.py
-"""
+"""Features: optional parts, one package each in src/features/, whose `FEATURE` overrides the `Feature` hooks it needs
+and whose `Options` add flags (docs/customize.md). The core never imports one: deleting its package removes it."""
 
 import dataclasses
 import functools
 import importlib
 import pkgutil
-from functools import cache
 from pathlib import Path
 
 
@@ -32,8 +18,7 @@ class Feature:
         return options_of(self.Options, config.feature_args)
 
     def check_launch(self, use_cpu: bool, config) -> None:
-        """Before the processes form a group: raise LaunchError for what this machine can't give the accelerate config
-        (`config` None: the accelerate config alone, scripts/launch.py)."""
+        """Before the process group forms: raise LaunchError for what's unavailable (config None: scripts/launch.py)."""
 
     def accelerator_options(self, use_cpu: bool, config) -> dict | None:
         """The Accelerator's arguments for a strategy the feature runs (`cpu` included), or None: not its strategy."""
@@ -78,9 +63,7 @@ def each(hook):
 
 
 class Features(tuple):
-    """Every installed feature, called as one: `features.on_checkpoint(...)` calls each feature's hook in turn;
-    `accelerator_options` and `train_loader` give the first answer that is not None, `adapt_model` passes the model
-    through each."""
+    """Every installed feature as one: hooks in turn; accelerator_options, train_loader: the first answer not None."""
 
     check_launch = each(Feature.check_launch)
     check = each(Feature.check)
@@ -108,7 +91,7 @@ def options_of(options_class: type, values: dict):
     return options_class(**{name: value for name, value in values.items() if name in names})
 
 
-@cache
+@functools.cache
 def installed() -> Features:
     """The features whose packages are here, by name: each package's `FEATURE`."""
     names = sorted(module.name for module in pkgutil.iter_modules(__path__) if module.ispkg)
@@ -116,7 +99,6 @@ def installed() -> Features:
 
 
 def feature_tasks() -> dict[str, str]:
-    """The --task names the installed features add, each to its "module.Class"."""
     return {name: path for feature in installed() for name, path in feature.tasks.items()}
 
 

@@ -22,10 +22,8 @@ def conv_block(in_channels: int, out_channels: int, norm: str) -> nn.Sequential:
 
 
 class DigitsCNN(nn.Module):
-    """(N, 1, 8, 8) images -> (N, num_labels) logits; about 56k parameters. Any other size and `in_channels` works too
-    (the image_classification task's plain network): the features are pooled to one vector per image. No dropout: its
-    random masks depend on how a batch is split across processes, which would break the "same training on 1 or N
-    processes" guarantee the tests check; add it back if you don't need that."""
+    """(N, 1, 8, 8) images (any size and `in_channels` work) -> (N, num_labels) logits. No dropout: its masks depend
+    on how a batch is split across processes, which breaks the tested "same training on 1 or N processes" guarantee."""
 
     def __init__(self, num_labels: int = 10, norm: str = "group", width: int = 32, in_channels: int = 1):
         super().__init__()

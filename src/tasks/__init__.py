@@ -1,10 +1,4 @@
-"""Tasks: what is trained, selected by `--task`. The contract is the `Task` class in src/tasks/base.py.
-
---task digits                                 the core's task (this folder)
---task NAME                                   a feature's task (src/features/*: `Feature.tasks`; features.yaml)
---task my_package.my_task                     a module defining one Task subclass
---task my_package.my_task.MyTask              or the class itself
-"""
+"""Tasks, selected by `--task`: see `task_class`. The contract: `Task` in src/tasks/base.py."""
 
 import dataclasses
 import difflib
@@ -27,9 +21,7 @@ def task_class(name: str) -> type[Task]:
     module_path, _, class_name = path.rpartition(".")
     module = import_module(path) or import_module(module_path)
     in_a_package = module is not None and module.__name__ != path and hasattr(module, "__path__")
-    if in_a_package and not hasattr(module, class_name):  # a name in a package, neither module nor class: a typo
-        module = None
-    if module is None:
+    if module is None or (in_a_package and not hasattr(module, class_name)):  # in a package: neither module nor class
         raise UsageError(f"unknown --task {name!r}; {did_you_mean(name)}use one of {', '.join(BUILT_IN)} or an "
                          "importable module path")  # fmt: skip
     if module.__name__ != path:  # module.Class
@@ -49,8 +41,7 @@ def task_class(name: str) -> type[Task]:
 
 
 def did_you_mean(name: str) -> str:
-    """'did you mean X? ' for a --task close to a built-in name or to a module in src/tasks/ (a user's task: by its
-    path, or by its own name without the path), else ''."""
+    """'did you mean X? ' for a --task close to a built-in name or a module in src/tasks/ (path or name), else ''."""
     shared = ("base", "classification", "digits")  # the contract, a base class, a built-in
     modules = [f"src.tasks.{m.name}" for m in pkgutil.iter_modules(__path__) if m.name not in shared]
     by_name = {path.rpartition(".")[2]: path for path in modules}
@@ -86,8 +77,7 @@ def build_task(config) -> Task:
 
 
 def starting_model(task: Task, config, accelerator):
-    """The model a run starts from, as train.py and scripts/convert_checkpoint.py build it: `--model_name_or_path`'s
-    weights or new ones, adapted by the installed features (e.g. LoRA's adapters)."""
+    """A run's starting model: `--model_name_or_path`'s weights or new ones, adapted by the features (e.g. LoRA)."""
     model = task.load_model(config.model_name_or_path) if config.model_name_or_path else task.build_model()
     return installed().adapt_model(model, accelerator)
 

@@ -1,22 +1,5 @@
-"""The task contract: what is trained. A task is one class in one file; `train.py` calls only these methods.
-
-    class MyTask(Task):
-        @dataclass
-        class Options:                      # typed options: --flags, YAML keys, saved in config.yaml
-            hidden_size: int = 64           # the comment is the --help text
-
-        metrics = ["accuracy"]              # built in; others: evaluate modules (src/evaluate_metrics/<name>, a path)
-
-        def build_datasets(self): ...       # (train, eval) torch Datasets; the data config is self.config
-        def build_model(self): ...          # an nn.Module (a plain network: src/models/)
-        def loss(self, model, batch): ...   # a scalar: the batch's mean loss
-        def eval_outputs(self, model, batch): ...   # per-sample tensors, see below
-
-The "may" methods below have defaults, or are needed only where used (eval-only runs, test splits, streaming, predict).
-A task is built once per run, so it can keep state (a tokenizer, the number of features) on `self`.
-Built to subclass: `ClassificationTask` (src/tasks/classification.py: the loss and eval outputs of `(inputs, labels)`
-batches and logits), `HuggingFaceTask` (src/features/hf/base.py: loads and saves a transformers model and tokenizer).
-"""
+"""The task contract (guide: docs/customize.md): one class in one file, built once per run (so it can keep state on
+`self`); train.py calls only these methods. Base classes: ClassificationTask, HuggingFaceTask (src/features/hf/)."""
 
 from __future__ import annotations
 
@@ -44,14 +27,11 @@ class NoOptions:
 
 
 class Task:
-    """`self.config`: the run's TrainConfig (data files, splits, batch sizes, ...); `self.options`: this task's
-    `Options`, parsed and type-checked. Bad input: raise `src.errors.UsageError` (one line, exit code 2)."""
+    """`self.config`: the run's TrainConfig; `self.options`: its parsed `Options`. Bad input: raise UsageError."""
 
     Options: ClassVar[type] = NoOptions  # a dataclass; its fields become --flags (names must differ from TrainConfig's)
     metrics: ClassVar[list[str]] = []  # src/metrics.py names, computed from eval_outputs' predictions and references
-    # "mean": loss() is the micro-batch's mean. "sum": loss() is the sum over its count_items(batch) terms (tokens),
-    # and the loop divides by the terms of the whole global batch (all micro-batches, all processes), so padded
-    # batches of different lengths train the same on 1 and N processes.
+    # "sum": loss() sums its count_items(batch) terms; the loop divides by the global batch's: same on 1 and N processes
     loss_reduction: ClassVar[str] = "mean"
     export_checkpoints: ClassVar[bool] = False  # True: save_model() also into every checkpoint (step_<N>/model/)
     default_data_files: ClassVar[dict[str, str] | None] = None  # used when neither data_files nor dataset_name is set
@@ -73,46 +53,39 @@ class Task:
         raise NotImplementedError(f"{type(self).__name__} must implement loss()")
 
     def eval_outputs(self, model: nn.Module, batch) -> dict[str, torch.Tensor]:
-        """Per-sample tensors (first dimension = the batch), gathered without the padding of uneven shards: "loss"
-        (summed over the sample's terms) and "weight" (its terms: 1 for a class label, the token count for text), so
-        eval/loss = sum(loss) / sum(weight); plus "predictions" and "references" when the task has `metrics`."""
+        """Per-sample tensors (dim 0: the batch): "loss" (summed over its terms), "weight" (its terms: 1 for a label,
+        the token count for text; eval/loss = sum(loss) / sum(weight)); with `metrics`, "predictions", "references"."""
         raise NotImplementedError(f"{type(self).__name__} must implement eval_outputs()")
 
-    # --- may ---
+    # --- may: defaults, or needed only where used (eval-only runs, test splits, streaming, predict) ---
     def count_items(self, batch) -> torch.Tensor:
         """With loss_reduction "sum": how many terms loss() summed over (e.g. the tokens with a label)."""
         raise NotImplementedError(f"{type(self).__name__} has loss_reduction 'sum' and must implement count_items()")
 
     def build_eval_dataset(self, split: str, labelled: bool = True) -> Dataset:
-        """One split (the test split, or the eval split when not training) built without reading the train split.
-        `labelled` False: for predictions only, so the split may lack labels."""
+        """One split (test, or eval when not training) without reading train; `labelled` False: it may lack labels."""
         raise UsageError(
             f"--task {type(self).__name__} has no build_eval_dataset(split, labelled), which evaluating without "
             "training, a test split and --do_predict need: implement it (docs/customize.md)"
         )
 
     def build_train_stream(self) -> IterableDataset:
-        """`--streaming`: the train split as an IterableDataset of samples like build_datasets()' train items, with
-        `set_epoch(epoch)`; e.g. `SampleStream(load_stream(self.config, split).map(...).shuffle(seed, buffer))`
-        (src/features/streaming/stream.py). Its memory must not grow with the data: nothing is read before iteration."""
+        """`--streaming`: the train split, an IterableDataset with set_epoch(epoch); memory must not grow with data."""
         raise UsageError(
             f"--task {type(self).__name__} cannot stream its data: it has no build_train_stream(); "
             "use --streaming false, or implement it (src/features/gpt/causal_lm.py has an example)"
         )
 
     def load_model(self, path: str) -> nn.Module:
-        """`--model_name_or_path`: build_model() with the weights of a run's model/ or checkpoints/step_<N>/.
-        Hugging Face tasks load with from_pretrained in build_model."""
+        """`--model_name_or_path`: build_model() with the weights of a run's model/ or checkpoints/step_<N>/."""
         return load_weights(self.build_model(), path)
 
     def predict(self, model: nn.Module, batch) -> dict[str, torch.Tensor]:
-        """Per-sample tensors for predictions.jsonl, gathered in input order, each sample once (ClassificationTask:
-        "prediction" and "probabilities")."""
+        """Per-sample tensors for predictions.jsonl (ClassificationTask: "prediction" and "probabilities")."""
         raise NotImplementedError(f"{type(self).__name__} must implement predict() for --do_predict")
 
     def prediction_ids(self, split: str) -> list | None:
-        """The id of each row of build_eval_dataset(split, labelled=False), in order, or None. Default: the split's
-        `--id_column` read by src/data.py (Parquet, CSV, JSON, the Hub). A task reading other data returns its own."""
+        """build_eval_dataset(split, labelled=False)'s row ids in order, or None; default: the split's `--id_column`."""
         if not (self.config.data_files or self.config.dataset_name):  # the task's own data, made in memory
             return None
         table = load_tables(self.config, [split], columns=[self.config.id_column])[split]
@@ -140,15 +113,13 @@ class Task:
         return None
 
     def save_model(self, accelerator, model: nn.Module, directory: Path) -> None:
-        """The final model (and with export_checkpoints each checkpoint's), on every process (FSDP and DeepSpeed
-        gather shards from all). Default: `model.safetensors`; a Hugging Face task calls `save_pretrained`."""
+        """The final model (and with export_checkpoints checkpoints'), on every process: FSDP, DeepSpeed gather it."""
         accelerator.save_model(model, directory, safe_serialization=True)
 
 
 @contextmanager
 def task_errors(task: Task):
-    """An exception raised inside the task's methods becomes one line naming the method and the batch's structure
-    (exit code 70); out-of-memory errors pass through (--auto_find_batch_size)."""
+    """An exception in a task method -> one line naming it and the batch's structure (exit 70); OOM passes through."""
     try:
         yield
     except Exception as err:

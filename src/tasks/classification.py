@@ -1,5 +1,4 @@
-"""Classification: batches of `(inputs, labels)` and a model that maps inputs to logits (the digits, and the
-features' tasks built on it); the class names saved beside a model's weights (labels.json)."""
+"""Classification: `(inputs, labels)` batches and a model mapping inputs to logits; class names beside weights."""
 
 import json
 from pathlib import Path

@@ -1,10 +1,4 @@
-"""The default example: classify the 8x8 handwritten digits shipped in data/digits (or any image-like table).
-
-    python train.py                                  # the CNN, 99% eval accuracy in ~10 s on a CPU
-    python train.py --model linear --norm none       # this task's options are flags like any other
-
-The data is read once into tensors (no per-sample decoding in the loop); the model is src/models/digits_cnn.py.
-"""
+"""The default example: the 8x8 handwritten digits in data/digits (or any image-like table), read once into tensors."""
 
 from dataclasses import dataclass
 from typing import Literal
