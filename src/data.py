@@ -137,8 +137,12 @@ def has_split(config: TrainConfig, name: str) -> bool:
 
 def missing_split(config: TrainConfig, name: str, available: list[str]) -> UsageError:
     """The error for a split the data lacks (read in full or streamed), naming the flag that fixes it."""
-    eval_flag = "--eval_split" if config.do_train else "--eval_split (or --do_eval false)"
-    flag = "--train_split" if name == config.train_split else eval_flag if name == config.eval_split else "--test_split"
+    if name == config.train_split:
+        flag = "--train_split"
+    elif name == config.eval_split:
+        flag = "--eval_split" if config.do_train else "--eval_split (or --do_eval false)"
+    else:
+        flag = "--test_split"
     where = "set" if config.dataset_name else "add it to --data_files or set"
     return UsageError(f"the data has no split {name!r} (it has {', '.join(available)}); {where} {flag}")
 
