@@ -11,11 +11,12 @@ git-ignored and rebuilt in a second.
 """
 
 import argparse
+import importlib.util
+import sys
 from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
-from PIL import Image
 
 REPO = Path(__file__).resolve().parents[1]
 NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
@@ -24,6 +25,8 @@ SPLITS = ("train", "eval")
 
 def write_split(table, folder: Path, limit: int | None) -> int:
     """One PNG per row: 64 pixel values 0..16 -> an 8x8 grey image, 0..255."""
+    from PIL import Image
+
     pixels, labels = table.column("pixels").to_pylist(), table.column("label").to_pylist()
     count = len(labels) if limit is None else min(limit, len(labels))
     for index in range(count):
@@ -40,6 +43,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("data/digit_images"), help="output folder")
     parser.add_argument("--max_per_split", type=int, help="at most this many images per split (default: all)")
     args = parser.parse_args(argv)
+    if importlib.util.find_spec("PIL") is None:  # the Quickstart installs the core's requirements only
+        print("error: writing PNGs needs Pillow: pip install -r requirements/images.txt", file=sys.stderr)
+        sys.exit(2)
     if args.max_per_split is not None and args.max_per_split <= 0:
         parser.error(f"--max_per_split must be > 0 (got {args.max_per_split})")
     counts = {}

@@ -276,7 +276,16 @@ def main() -> int:
         return check(names, args.tests)
     for path in remove_all(names, REPO):
         print(f"removed {path.relative_to(REPO)}")
+    if args.keep:  # the Quickstart's training install has the core's requirements only
+        files = [path.relative_to(REPO) for name in kept for path in feature_paths(name, REPO) if is_requirements(path)]
+        if files:
+            print(f"what the kept features need: .venv/bin/pip install {' '.join(f'-r {file}' for file in files)}")
     return 0
+
+
+def is_requirements(path: Path) -> bool:
+    """A feature's own requirements file, requirements/NAME.txt (requirements/tools/ holds what its tests start)."""
+    return path.parent.name == "requirements" and path.suffix == ".txt"
 
 
 if __name__ == "__main__":

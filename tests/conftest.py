@@ -439,6 +439,34 @@ def run_with_hook(
     return run_forked(script, args, [env], cwd=cwd, **kwargs)
 
 
+def requirements_not_as_pinned() -> list[str]:
+    """`package==pin (file: installed)` for each requirement that `bash scripts/setup.sh --dev` installs and this
+    environment lacks or holds at another version: the tests of a missing one fail in ways that don't name it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.requirements import Requirement
+
+    files = [REPO / "requirements.txt", REPO / "requirements-dev.txt", *sorted((REPO / "requirements").glob("*.txt"))]
+    wrong = []
+    for file in files:
+        lines = (line.split("#")[0].strip() for line in file.read_text().splitlines())
+        for requirement in [Requirement(line) for line in lines if line]:
+            try:
+                installed = version(requirement.name)
+            except PackageNotFoundError:
+                installed = "not installed"
+            if not requirement.specifier.contains(installed, prereleases=True):
+                wrong.append(f"{requirement} ({file.relative_to(REPO)}: {installed})")
+    return wrong
+
+
+def pytest_report_header(config) -> str | None:
+    """Said first, before failures that would not say it."""
+    if wrong := requirements_not_as_pinned():
+        return f"not as `bash scripts/setup.sh --dev` installs: {', '.join(wrong)}; run it before the tests"
+    return None
+
+
 def pytest_xdist_auto_num_workers(config) -> int:
     """`-n auto` (pyproject.toml): one worker per usable core, at most 4. A worker's test may itself start 2 or 3
     training processes, and files run whole on one worker (--dist loadfile), so more workers mostly add memory."""

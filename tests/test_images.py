@@ -6,6 +6,7 @@ counted once, a transformers model's model/ that the image-classification pipeli
 
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from src.errors import UsageError
 from src.features.images.image_classification import Augmentation, ImageSamples, Preprocess, sample_generator
 from src.tasks import build_task
 from tests.conftest import (
+    REPO,
     assert_ok,
     assert_processes,
     read_metrics,
@@ -252,6 +254,26 @@ def test_a_folder_without_class_subfolders_is_one_line_and_exit_2(docs, tmp_path
     result = run_main(*one_process(docs["commands"]["launch"])[2:], "--data_files", folders, "--output_dir", str(out))
     assert_error_line(result, rf"the train folder {flat / 'train'} has no class subfolders .*<class>/\*\.png")
     assert not out.exists()
+
+
+WITHOUT_PILLOW = [
+    ["scripts/make_image_folder.py", "--out", "{tmp}/images"],
+    ["train.py", "--task", "image_classification", "--output_dir", "{tmp}/run"],
+]
+
+
+@pytest.mark.parametrize("command", WITHOUT_PILLOW)
+def test_without_pillow_each_entry_point_names_what_to_install(tmp_path, command):
+    """The Quickstart installs the core's requirements only: no Pillow (requirements/images.txt) until the images
+    feature's own file is installed. Each entry point says so in one line, exit 2, writing nothing."""
+    argv = [arg.format(tmp=tmp_path) for arg in command]
+    without_pillow = f"import runpy, sys; sys.modules['PIL'] = None; sys.argv = {argv!r}; " + (
+        f"runpy.run_path({argv[0]!r}, run_name='__main__')"
+    )
+    result = subprocess.run([sys.executable, "-c", without_pillow], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)  # fmt: skip
+    assert_error_line(result, r"needs Pillow: pip install -r requirements/images\.txt$")
+    assert not any(tmp_path.iterdir())
 
 
 def test_a_split_the_folders_lack_is_the_one_line_that_names_its_flag(docs, tmp_path):

@@ -15,6 +15,7 @@ the train split, drawn from each sample's own generator (`Augmentation`: the sam
 of loader workers, and after a resume).
 """
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -173,6 +174,8 @@ class ImageClassification(ClassificationTask):
         """The splits, each checked for its columns; an image folder's images labelled by its class subfolders."""
         import datasets
 
+        if importlib.util.find_spec("PIL") is None:  # the Quickstart installs the core's requirements only
+            raise UsageError("--task image_classification needs Pillow: pip install -r requirements/images.txt")
         for name in names:  # the likely slip before any data is read: the digit images not written yet
             path = self.split_path(name)
             if path is not None and path == self.default_data_files.get(name) and not Path(path).is_dir():
