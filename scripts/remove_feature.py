@@ -9,6 +9,7 @@ python scripts/remove_feature.py --list          # the features and what each is
 """
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
@@ -80,6 +81,8 @@ def remove(name: str, root: Path) -> list[Path]:
     removed = feature_paths(name, root)
     for path in removed:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
+        with contextlib.suppress(OSError):  # a folder it leaves empty goes too (requirements/tools/), else it stays
+            path.parent.rmdir()
     manifest_file = root / "features.yaml"  # its entry goes too: the text, so that the comments stay
     manifest_file.write_text(
         re.sub(rf"^{re.escape(name)}:\n(?:[ #].*\n|\n)*", "", manifest_file.read_text(), flags=re.M)

@@ -156,6 +156,7 @@ def test_keep_removes_every_other_feature_but_what_the_kept_ones_require(tmp_pat
     packages = {p.name for p in (project / "src" / "features").iterdir() if p.is_dir() and p.name != "__pycache__"}
     assert packages == {"gpt", "images"}
     assert (project / "scripts/prepare_text.py").is_file() and not (project / "scripts/ray_train.py").exists()
+    assert not (project / "requirements/tools").exists()  # object_storage's file was all it held
     assert "## Clusters" not in (project / "docs/launching.md").read_text()  # its region names slurm, ray, ...
     install = (project / "docs/install.md").read_text()  # its table's region stays for images, marked for it alone
     assert "`requirements/images.txt`" in install and "<!-- feature: images -->" in install
