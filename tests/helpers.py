@@ -305,3 +305,15 @@ def padded_lm_one_process(request, assets) -> Path:
         if missing:
             assert_ok(run_main(*padded_lm(assets, 16), "--output_dir", str(folder / "run")))
     return folder / "run"
+
+
+def assert_gathers_as_collated(dataset):
+    """src/batches.py's one gather per batch gives what the DataLoader's default_collate stacks, contiguous."""
+    from torch.utils.data import default_collate
+
+    from src.batches import gatherable
+
+    indices = torch.tensor([5, 0, 17, 5, 31])
+    expected = default_collate([dataset[i] for i in indices.tolist()])
+    got = gatherable(dataset).gather(indices)
+    assert all(torch.equal(g, e) and g.is_contiguous() for g, e in zip(got, expected, strict=True))

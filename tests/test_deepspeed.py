@@ -10,7 +10,7 @@ import torch
 from src.config import TrainConfig
 from src.errors import LaunchError, UsageError
 from src.strategy import check_launch
-from tests.conftest import QUICK, REPO
+from tests.conftest import QUICK, REPO, resolve_launch
 
 installed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="pip install deepspeed")
 
@@ -80,3 +80,23 @@ def test_launch_script_refuses_cpu_offload_in_one_line(tmp_path, capsys):
     assert stderr.strip().splitlines() == [stderr.strip()]  # one line, nothing else
     assert stderr.startswith(f"error: accelerate config {path}: ")
     assert "offloads to the CPU (offload_param_device)" in stderr
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_config_reaches_accelerates_deepspeed_plugin(stage):
+    from accelerate.utils import DeepSpeedPlugin, patch_environment
+
+    argv = ["--config_file", f"accelerate_configs/deepspeed_zero{stage}.yaml", "train.py"]
+    env = resolve_launch(argv)["env"]
+    assert env["ACCELERATE_MIXED_PRECISION"] == "bf16"
+    with patch_environment(**{key: value for key, value in env.items() if key.startswith("ACCELERATE_")}):
+        plugin = DeepSpeedPlugin()
+    config = plugin.deepspeed_config
+    assert config["zero_optimization"]["stage"] == stage
+    assert config["zero_optimization"]["offload_optimizer"]["device"] == "none"
+    assert config["zero_optimization"]["offload_param"]["device"] == "none"
+    assert config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is (stage == 3)
+    assert plugin.zero3_init_flag is (stage == 3)
+    assert config["gradient_clipping"] == "auto"  # train.py sets it from --max_grad_norm (src/strategy.py)
+    # not fixed by the config: accelerate fills in train.py's accumulation (derived from global_batch_size)
+    assert config["gradient_accumulation_steps"] == "auto"

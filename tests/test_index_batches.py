@@ -6,13 +6,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Subset, default_collate
+from torch.utils.data import DataLoader, Subset
 
 from src.batches import EpochOrder, IndexBatches, LoaderBatches, gatherable, known_sequence
 from src.cli import resolve
 from src.config import TrainConfig
 from src.tasks import build_task
-from tests.helpers import needs
+from tests.helpers import assert_gathers_as_collated
 
 
 @pytest.fixture(scope="module")
@@ -81,20 +81,6 @@ def test_an_epoch_order_not_known_or_not_checked_is_drawn_from_the_batch_sampler
 
 def test_subsets_gather_what_default_collate_stacks(digits):
     assert_gathers_as_collated(Subset(digits, range(300)))  # --max_train_samples
-
-
-@needs("gpt")
-def test_token_blocks_gather_what_default_collate_stacks():
-    from src.features.gpt.causal_lm import TokenBlocks
-
-    assert_gathers_as_collated(TokenBlocks(torch.randint(0, 256, (40, 9), dtype=torch.uint8)))
-
-
-def assert_gathers_as_collated(dataset):
-    indices = torch.tensor([5, 0, 17, 5, 31])
-    expected = default_collate([dataset[i] for i in indices.tolist()])
-    got = gatherable(dataset).gather(indices)
-    assert all(torch.equal(g, e) and g.is_contiguous() for g, e in zip(got, expected, strict=True))
 
 
 def test_samples_fetched_one_by_one_are_not_gathered(digits):

@@ -24,7 +24,7 @@ from tests.conftest import (
     run_python,
     series,
 )
-from tests.helpers import as_written, assert_bash_blocks_run, workspace
+from tests.helpers import as_written, assert_bash_blocks_run, assert_gathers_as_collated, workspace
 
 LM = ["--config", "configs/lm.yaml"]
 STDLIB = REPO / "data" / "stdlib"
@@ -263,3 +263,7 @@ def test_gpt_recipe_commands(tmp_path):
         assert_ok(run_command(as_written(command) + (shorten if "train.py" in command else []), cwd=cwd, timeout=600))
     assert (cwd / "data" / "stdlib" / "train.parquet").is_file()
     assert [row["step"] for row in read_metrics(cwd / "r1") if "train/loss" in row] == [2, 4]
+
+
+def test_token_blocks_gather_what_default_collate_stacks():
+    assert_gathers_as_collated(causal_lm.TokenBlocks(torch.randint(0, 256, (40, 9), dtype=torch.uint8)))
