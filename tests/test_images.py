@@ -304,6 +304,14 @@ def test_without_the_hf_feature_a_model_folder_not_there_is_said_to_be_missing(t
         build_task(config)
 
 
+@pytest.mark.parametrize("flag", [["--dropout", "0.1"], ["--config_overrides", "num_hidden_layers=2"]])
+def test_a_transformers_models_option_given_to_the_plain_cnn_is_refused(flag):
+    """Not ignored: the plain CNN has no dropout or config to override (nor has a project without the hf feature)."""
+    config = parse_config(["--task", "image_classification", *flag])
+    with pytest.raises(UsageError, match=rf"^{flag[0]} is a transformers model's \(--model_name_or_path\); the plain"):
+        build_task(config)
+
+
 def test_every_command_of_the_page_is_run():
     assert_bash_blocks_run("docs/images.md")
 

@@ -152,6 +152,8 @@ class ImageClassification(ClassificationTask):
                 raise UsageError("--image_size is the plain CNN's; a transformers model's image processor sizes images")
             self.model_path = hf().check_model_source(config.model_name_or_path)
             self.processor = AutoImageProcessor.from_pretrained(self.model_path)
+        elif given := [name for name in ("config_overrides", "dropout") if getattr(self.options, name) is not None]:
+            raise UsageError(f"--{given[0]} is a transformers model's (--model_name_or_path); the plain CNN has none")
 
     # --- data ---
 
