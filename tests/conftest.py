@@ -454,9 +454,9 @@ def requirements_not_as_pinned() -> list[str]:
             try:
                 installed = version(requirement.name)
             except PackageNotFoundError:
-                installed = "not installed"
-            if not requirement.specifier.contains(installed, prereleases=True):
-                wrong.append(f"{requirement} ({file.relative_to(REPO)}: {installed})")
+                installed = None
+            if installed is None or not requirement.specifier.contains(installed, prereleases=True):
+                wrong.append(f"{requirement} ({file.relative_to(REPO)}: {installed or 'not installed'})")
     return wrong
 
 
