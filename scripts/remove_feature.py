@@ -13,6 +13,7 @@ import contextlib
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -205,7 +206,8 @@ def check(names: list[str], tests: str) -> int:
         # Code under src/ went: a 2-process run too. (Files elsewhere, scripts and configs, are imported by no run:
         # tests/test_layout.py proves the core imports no feature.)
         if any(path.is_relative_to(root / "src") for path in removed):
-            two = [*launch, "--num_processes", "2", "train.py", *SHORT_RUN, "--output_dir", "runs/two"]
+            port = ["--main_process_port", str(free_port())]  # not 29500: checks run two at a time (--each)
+            two = [*launch, *port, "--num_processes", "2", "train.py", *SHORT_RUN, "--output_dir", "runs/two"]
             steps["a 2-process launch"] = two
         if tests != "none":
             selection = ["-m", "not slow"] if tests == "fast" else []
@@ -223,6 +225,12 @@ def check(names: list[str], tests: str) -> int:
                 return 1
             print(f"without {name}: {what}: ok", flush=True)
     return 0
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
 
 
 def check_each(names: list[str], jobs: int) -> int:
