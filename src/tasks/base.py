@@ -70,7 +70,9 @@ class Task:
         )
 
     def build_train_stream(self) -> IterableDataset:
-        """`--streaming`: the train split, an IterableDataset with set_epoch(epoch); memory must not grow with data."""
+        """`--streaming`: the train split as an IterableDataset of samples like build_datasets()' train items, with
+        `set_epoch(epoch)`; e.g. `SampleStream(load_stream(self.config, split).map(...).shuffle(seed, buffer))`
+        (src/features/streaming/stream.py). Its memory must not grow with the data: nothing is read before iteration."""
         raise UsageError(
             f"--task {type(self).__name__} cannot stream its data: it has no build_train_stream(); "
             "use --streaming false, or implement it (src/features/gpt/causal_lm.py has an example)"
