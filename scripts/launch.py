@@ -12,6 +12,7 @@ have said why in one line: the launch exits with that code, without the launcher
 
 import logging
 import os
+import socket
 import subprocess
 import sys
 import typing
@@ -94,6 +95,14 @@ def exit_if_unusable(args: list[str]) -> None:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)
+
+
+def free_port() -> int:
+    """A TCP port free now, for `--main_process_port`: launches side by side (sweep trials, checks, tests) can't clash
+    on accelerate's default 29500."""
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
 
 
 def launch(args: list[str]) -> int:

@@ -13,7 +13,6 @@ import contextlib
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,10 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script: scripts/ is on the path, not the repository
+
+from scripts.launch import free_port  # noqa: E402
+
 SHORT_RUN = ["--max_steps", "4", "--logging_steps", "2", "--eval_steps", "4", "--max_eval_samples", "64"]
 # The core's quick tests, run in every copy (`pytest -k`: the modules' names): the command line and config, the tasks
 CORE_QUICK_TESTS = "test_config or test_tasks"
@@ -225,12 +228,6 @@ def check(names: list[str], tests: str) -> int:
                 return 1
             print(f"without {name}: {what}: ok", flush=True)
     return 0
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        return probe.getsockname()[1]
 
 
 def check_each(names: list[str], jobs: int) -> int:

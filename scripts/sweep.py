@@ -44,6 +44,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from scripts.launch import free_port  # noqa: E402
 from src.errors import UsageError, command_line, one_line  # noqa: E402
 
 POLL_SECONDS = 0.1  # how often a running trial's metrics.jsonl is read (a stat and a short read)
@@ -282,14 +283,6 @@ def launch_command(accelerate_config: str | None) -> list[str]:
     """`accelerate launch` as a module of this Python; each trial on a free port, so sweeps can share a machine."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port())]
     return [*command, "--config_file", accelerate_config] if accelerate_config else command
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def objective(trial, space: Space, accelerate_config, train_args: list[str], output_dir: Path, study: str) -> float:

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from scripts.launch import free_port  # noqa: F401  (the tests take it from here)
+
 REPO = Path(__file__).resolve().parents[1]
 
 LAUNCHER_VARIABLES = {"WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_CPU"}
@@ -33,14 +35,6 @@ def launch_command(processes: int, config: str = "ddp") -> list[str]:
         "--config_file", f"accelerate_configs/{config}.yaml", "--num_processes", str(processes),
         "--main_process_port", str(free_port()), "train.py",
     ]  # fmt: skip
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_train(*args: str, processes: int = 1, config: str = "ddp", **kwargs) -> subprocess.CompletedProcess:
