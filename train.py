@@ -95,9 +95,10 @@ def set_up(config: TrainConfig, training: bool) -> Setup:
     set_seed(config.seed)  # same seed on every process: identical initial weights, like a broadcast
     task = tasks.build_task(config)
     pin_memory = accelerator.device.type == "cuda"
-    train_loader, eval_loader = loaders.build_loaders(task, config, accelerator, training, pin_memory)
-    test_loader, predict_split, predict_loader = loaders.build_test_and_predict_loaders(task, config, pin_memory)
-    model = distributed.sync_batchnorm(tasks.starting_model(task, config, accelerator), accelerator)
+    with tasks.task_errors(task):  # the task's code failing on its data or model: one line naming its method
+        train_loader, eval_loader = loaders.build_loaders(task, config, accelerator, training, pin_memory)
+        test_loader, predict_split, predict_loader = loaders.build_test_and_predict_loaders(task, config, pin_memory)
+        model = distributed.sync_batchnorm(tasks.starting_model(task, config, accelerator), accelerator)
     if config.gradient_checkpointing:
         distributed.enable_gradient_checkpointing(model)
     metric = load_metrics(task.metrics if config.metrics is None else config.metrics)

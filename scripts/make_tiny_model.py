@@ -25,15 +25,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers  # noqa: E402
-from transformers import (  # noqa: E402
-    BertConfig,
-    BertModel,
-    BertTokenizer,
-    GPT2Config,
-    GPT2LMHeadModel,
-    GPT2Tokenizer,
-)
+
+try:  # the Quickstart installs the core's requirements only
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import BertConfig, BertModel, BertTokenizer, GPT2Config, GPT2LMHeadModel, GPT2Tokenizer
+except ImportError as err:
+    if __name__ != "__main__":
+        raise
+    print(f"error: making the tiny models needs {err.name}: pip install -r requirements/hf.txt", file=sys.stderr)
+    sys.exit(2)
 
 from scripts.prepare_text import read_capped, source_files  # noqa: E402
 

@@ -284,11 +284,16 @@ def main() -> int:
         return check(names, args.tests)
     for path in remove_all(names, REPO):
         print(f"removed {path.relative_to(REPO)}")
-    if args.keep:  # the Quickstart's training install has the core's requirements only
-        files = [path.relative_to(REPO) for name in kept for path in feature_paths(name, REPO) if is_requirements(path)]
-        if files:
-            print(f"what the kept features need: .venv/bin/pip install {' '.join(f'-r {file}' for file in files)}")
+    if args.keep and (install := requirements_install(kept, REPO)):
+        print(f"what the kept features need: {install}")
     return 0
+
+
+def requirements_install(features: list[str], root: Path) -> str | None:
+    """The pip command installing `features`' own requirements files (the Quickstart's training install has the
+    core's only); None where they have none."""
+    files = [path.relative_to(root) for name in features for path in feature_paths(name, root) if is_requirements(path)]
+    return f".venv/bin/pip install {' '.join(f'-r {file}' for file in files)}" if files else None
 
 
 def is_requirements(path: Path) -> bool:

@@ -162,8 +162,8 @@ def resolve_global_batch(config: TrainConfig, num_processes: int) -> int:
     if config.global_batch_size % per_step:
         raise UsageError(
             f"--global_batch_size {config.global_batch_size} is not divisible by per-device batch "
-            f"{config.per_device_train_batch_size} x {num_processes} processes = {per_step}; pick a "
-            f"multiple of {per_step} or change --per_device_train_batch_size"
+            f"{config.per_device_train_batch_size} x {num_processes} processes = {per_step}; set --global_batch_size "
+            f"to a multiple of {per_step}, or change --per_device_train_batch_size"
         )
     steps = config.global_batch_size // per_step
     if config.gradient_accumulation_steps not in (1, steps):  # given, and not what the global batch makes

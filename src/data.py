@@ -172,10 +172,16 @@ def load_hub_dataset(config: TrainConfig):
     return datasets.load_dataset(config.dataset_name, config.dataset_config_name)
 
 
-def check_columns(split, wanted: list[str], flags: str) -> None:
+class MissingColumns(UsageError):
+    """A split lacks columns the task reads (a test split without its labels is only predicted: src/loaders.py)."""
+
+
+def check_columns(split, wanted: list[str], flags: str, name: str | None = None) -> None:
+    """`split` (a Table or `datasets.Dataset`; `name`: which split) has the columns `wanted`, else one line: `flags`."""
     if missing := set(wanted) - set(split.column_names):
-        raise UsageError(
-            f"the data has no column {', '.join(sorted(missing))} (it has {', '.join(split.column_names)}); set {flags}"
+        where = f"the {name} split" if name else "the data"
+        raise MissingColumns(
+            f"{where} has no column {', '.join(sorted(missing))} (it has {', '.join(split.column_names)}); set {flags}"
         )
 
 

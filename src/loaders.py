@@ -7,7 +7,7 @@ from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
 from src import features, strategy
 from src.config import TrainConfig
-from src.data import has_split
+from src.data import MissingColumns, has_split
 from src.errors import TaskFailed, UsageError, describe, one_line
 
 logger = logging.getLogger(__name__)
@@ -66,17 +66,27 @@ def build_eval_loader(dataset: Dataset, config: TrainConfig, collate_fn=None, ma
 
 def build_test_and_predict_loaders(task, config: TrainConfig, pin_memory: bool = False):
     """(test loader, predicted split, predict loader), None if not asked: the labelled test split if the data has one
-    and --do_eval; --do_predict's split (test, else eval) as unlabelled inputs (an LM's prompts), in order."""
+    and --do_eval (one without labels is only predicted); --do_predict's split (test, else eval) as unlabelled inputs
+    (an LM's prompts), in order."""
     has_test = (config.do_eval or config.do_predict) and has_split(config, config.test_split)
     test_loader = predict_split = predict_loader = None
-    if config.do_eval and has_test:
-        dataset = task.build_eval_dataset(config.test_split)
+    if config.do_eval and has_test and (dataset := labelled_split(task, config.test_split)) is not None:
         test_loader = build_eval_loader(dataset, config, task.collate_fn(), config.max_predict_samples, pin_memory)
     if config.do_predict:
         predict_split = config.test_split if has_test else config.eval_split
         inputs = task.build_eval_dataset(predict_split, labelled=False)
         predict_loader = build_eval_loader(inputs, config, task.collate_fn(), config.max_predict_samples)
     return test_loader, predict_split, predict_loader
+
+
+def labelled_split(task, split: str) -> Dataset | None:
+    """The split with its labels; None, said in a warning, where it lacks them but has the inputs (rows to predict)."""
+    try:
+        return task.build_eval_dataset(split)
+    except MissingColumns as missing:
+        task.build_eval_dataset(split, labelled=False)  # lacking more than the labels: that error
+        logger.warning("no test/ metrics: %s; it is only predicted (--do_predict)", str(missing).split(";")[0])
+        return None
 
 
 def check_first_batch(loader: DataLoader, task) -> None:

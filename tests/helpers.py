@@ -46,7 +46,8 @@ def has_feature(name: str) -> bool:
 def needs(*names: str):
     """A test of one part that also uses other features: skipped where the project has removed one of them."""
     missing = [name for name in names if not has_feature(name)]
-    return pytest.mark.skipif(bool(missing), reason=f"the {', '.join(missing)} feature is not in this project")
+    what = f"the {missing[0]} feature is" if len(missing) == 1 else f"the {' and '.join(missing)} features are"
+    return pytest.mark.skipif(bool(missing), reason=f"{what} not in this project")
 
 
 # --- results of a run ---

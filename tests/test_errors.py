@@ -307,7 +307,8 @@ def test_more_processes_than_cores_warn_and_an_error_they_all_find_is_said_once(
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [
         f"error: --global_batch_size 32 is not divisible by per-device batch 32 x {processes} processes = "
-        f"{32 * processes}; pick a multiple of {32 * processes} or change --per_device_train_batch_size"
+        f"{32 * processes}; set --global_batch_size to a multiple of {32 * processes}, or change "
+        "--per_device_train_batch_size"
     ]
     warning = f"warning: {processes} processes on {cores} CPU cores"
     assert result.stderr.count(warning) == 1

@@ -101,9 +101,10 @@ def top_level_imports(path: Path) -> set[str]:
 def test_removing_a_feature_leaves_nothing_that_needs_it(name):
     """What removing `name` leaves (checked here in place, in a second; `scripts/remove_feature.py --check NAME`
     runs the real thing in a copy, and tests/test_lean_core.py removes them all and trains and tests what is left):
-    no remaining module imports its code when imported, and no remaining page links to its pages once its marked
-    lines are gone."""
-    from scripts.remove_feature import feature_paths, strip_mentions, with_dependents
+    no remaining module imports its code when imported, and no remaining page links to its pages or names it (`hf` in
+    backquotes; a name with an underscore, `object_storage`, as a word) once its marked lines are gone (the
+    generator's pages, which name features as examples, apart)."""
+    from scripts.remove_feature import feature_paths, strip_mentions, strip_options_tables, with_dependents
 
     names = with_dependents([name])  # a feature that requires this one goes with it
     removed = [path for one in names for path in feature_paths(one, REPO)]
@@ -118,18 +119,24 @@ def test_removing_a_feature_leaves_nothing_that_needs_it(name):
     }
     assert importing == {}, f"without {name} these fail to import"
     gone_pages = {p.relative_to(REPO).as_posix() for p in gone if p.suffix == ".md"}
-    links = []
+    links, named = [], []
+    naming = [re.compile(rf"`{one}`" + (rf"|(?<![\w/-]){one}(?![\w/-])" if "_" in one else "")) for one in names]
+    about_features = set(manifest().get("generator", {}).get("paths", []))
     for page in [REPO / "README.md", *REPO.glob("docs/*.md")]:
         if page.relative_to(REPO).as_posix() in gone_pages:
             continue
         text = page.read_text()
         for one in names:
-            text = strip_mentions(text, one, left=[other for other in FEATURES if other not in names])
+            text = strip_mentions(strip_options_tables(text, one), one, left=[o for o in FEATURES if o not in names])
         for target in re.findall(r"\]\(([^)#\s]+)", text):
             resolved = (page.parent / target).resolve()
             if resolved.is_relative_to(REPO) and resolved.relative_to(REPO).as_posix() in gone_pages:
                 links.append(f"{page.relative_to(REPO)} -> {target}")
+        if page.relative_to(REPO).as_posix() not in about_features:
+            lines = [line for line in text.splitlines() if any(pattern.search(line) for pattern in naming)]
+            named += [f"{page.relative_to(REPO)}: {line}" for line in lines]
     assert links == [], f"without {name} these links break (mark the line: [feature: {name}])"
+    assert named == [], f"without {name} these lines name it (mark the line: [feature: {name}])"
 
 
 def test_the_static_removal_check_sees_a_top_level_import(tmp_path):

@@ -256,9 +256,11 @@ def test_update_merges_a_new_version_into_a_users_edits(template, tmp_path):
     add = section_commands("Add or remove a feature", page="docs/your_own_project.md")
     conflict = section_commands("A conflict", page="docs/your_own_project.md")
     run = {"TEMPLATE": str(template)}
-    sh(" && ".join(start), cwd=tmp_path, **run)
+    started = sh(" && ".join(start), cwd=tmp_path, **run)
     project = tmp_path / "my-project"
     assert {"images"} == set(yaml.safe_load((project / "features.yaml").read_text()))
+    pip = "what the kept features need (after bash scripts/setup.sh): .venv/bin/pip install -r requirements/images.txt"
+    assert pip in started.stdout + started.stderr  # the Quickstart's setup installs the core's requirements only
     train_py = project / "train.py"
     lines = train_py.read_text().splitlines(keepends=True)
     train_py.write_text("".join([*lines, "# my own note at the end\n"]))  # the user's edits
@@ -293,7 +295,8 @@ def test_update_merges_a_new_version_into_a_users_edits(template, tmp_path):
     edit(template / "train.py", "# a template fix at the top\n", "# a template fix at the top, changed\n")
     edit(template / "train.py", text.splitlines(keepends=True)[-2], text.splitlines(keepends=True)[-2] + "# tpl\n")
     tag(template, "v0.1.2")
-    sh("copier update --trust --defaults", cwd=project)  # exits 0, the conflict marked in the file
+    updated = sh("copier update --trust --defaults", cwd=project)  # exits 0, the conflict marked in the file
+    assert "conflict: train.py holds your lines and the template's" in updated.stdout + updated.stderr
     listed = sh(" && ".join(conflict), cwd=project).stdout.split()
     assert "train.py" in listed and "<<<<<<< before updating" in train_py.read_text()
     # (SKIP: ruff's hooks are not the point here, and pre-commit would install ruff from PyPI for them)

@@ -124,3 +124,22 @@ def test_bad_arguments_exit_2(script, args, message, capsys):
         module.main(args)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "error: " in err and message in err
+
+
+@pytest.mark.parametrize("hidden", ["transformers", "tokenizers"])
+def test_without_the_hf_packages_the_script_names_what_to_install(tmp_path, hidden):
+    """The Quickstart installs the core's requirements only: make_tiny_model.py, the first command of the Hugging
+    Face page, says what to install in one line, exit 2, writing nothing."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+    from tests.helpers import assert_error_line
+
+    argv = ["scripts/make_tiny_model.py", "--kind", "bert", "--out", str(tmp_path / "bert")]
+    code = f"import runpy, sys; sys.modules[{hidden!r}] = None; sys.argv = {argv!r}; runpy.run_path({argv[0]!r}, " + (
+        "run_name='__main__')"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert_error_line(result, rf"needs {hidden}: pip install -r requirements/hf\.txt$")
+    assert not any(tmp_path.iterdir())

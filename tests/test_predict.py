@@ -178,6 +178,23 @@ def test_test_split_is_evaluated_and_predicted_after_training(tmp_path):
     assert len(predictions(out)) == 31
 
 
+def test_an_unlabelled_test_split_is_predicted_not_scored_beside_training(tmp_path, prime_input):
+    """The file to predict needs no label column, also in a training run: a warning, no test/ metrics, its rows
+    predicted with their ids. One that lacks the inputs too is refused, before training."""
+    files = f"{{train: {DIGITS}/train.parquet, eval: {DIGITS}/eval.parquet, test: {prime_input}}}"
+    out = tmp_path / "run"
+    result = run_main("--max_steps", "10", "--data_files", files, "--do_predict", "true", "--output_dir", str(out))
+    assert_ok(result)
+    assert "no test/ metrics: the test split has no column label (it has id, pixels)" in result.stderr
+    assert not any(key.startswith("test/") for key in eval_results(out)) and "eval/accuracy" in eval_results(out)
+    assert [row["id"] for row in predictions(out)] == [f"digit-{i}" for i in range(97)]
+    pd.read_parquet(prime_input).drop(columns=["pixels"]).to_parquet(no_inputs := tmp_path / "ids.parquet")
+    files = f"{{train: {DIGITS}/train.parquet, eval: {DIGITS}/eval.parquet, test: {no_inputs}}}"
+    result = run_main("--max_steps", "10", "--data_files", files, "--output_dir", str(tmp_path / "refused"))
+    assert result.returncode == 2 and "error: the test split has no column pixels" in result.stderr
+    assert not (tmp_path / "refused").exists()
+
+
 def best_run(tmp_path: Path, name: str, extra=(), hook: str | None = None):
     """The *worst* accuracy is "best" (greater_is_better false): an early step, not the last, so the final weights
     must really be replaced by an older checkpoint's. With a `hook`, a process of its own (run_with_hook)."""

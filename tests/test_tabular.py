@@ -181,3 +181,14 @@ def test_its_model_evaluates_alone_as_at_the_end_of_training(tmp_path):
     assert_ok(run_main(*args, "--do_train", "false", "--output_dir", str(out)))
     evaluated = json.loads((out / "eval_results.json").read_text())
     assert evaluated["eval/loss"] == pytest.approx(final["eval/loss"], rel=1e-6)
+
+
+def test_without_named_features_the_id_column_is_not_one(tmp_path):
+    """Every column but the label and the id (`--id_column`, copied into predictions.jsonl) is a feature."""
+    table = pd.DataFrame({"id": ["r0", "r1", "r2", "r3"], "x": [1.0, 2.0, 3.0, 4.0], "label": [0, 1, 0, 1]})
+    files = {split: str(tmp_path / f"{split}.csv") for split in ("train", "eval")}
+    for path in files.values():
+        table.to_csv(path, index=False)
+    task = build_task(resolve(TrainConfig(task="tabular", data_files=files)))
+    (train_x, _), _ = [dataset.tensors for dataset in task.build_datasets()]
+    assert task.features == ["x"] and train_x.tolist() == [[1.0], [2.0], [3.0], [4.0]]

@@ -94,6 +94,8 @@ def test_task_names_resolve_to_classes(task_module, toy):
         task_class(module)
     with pytest.raises(UsageError, match="unknown --task 'nope'; use one of digits"):
         task_class("nope")
+    with pytest.raises(UsageError, match="unknown --task 'my_project/my_task.py'; did you mean my_project.my_task \\("):
+        task_class("my_project/my_task.py")
     with pytest.raises(UsageError, match="unknown --task 'digts'; did you mean digits\\? use"):
         task_class("digts")
     with pytest.raises(UsageError, match="has no Task subclass 'Third'"):
@@ -347,3 +349,25 @@ def test_plain_accelerate_launch_of_fsdp_v1_says_why_once(tmp_path):
     assert result.stderr.count("error: the accelerate config asks for FSDP version 1, which needs GPUs") == 1
     assert "exitcode  : 2" in result.stderr  # the launcher's report: a process stopped with it
     assert not (tmp_path / "run").exists()
+
+
+def test_a_task_failing_on_its_data_or_model_is_one_line_before_anything_is_written(tmp_path, monkeypatch):
+    """An error in the task's own build_datasets or build_model (a column of strings it turns into floats): one line
+    naming the method, exit 70, no run folder."""
+    from src.tasks.digits import Digits
+
+    def build_datasets(self):
+        return torch.tensor(["a string where a number belongs"]), None
+
+    def build_model(self):
+        return torch.nn.Linear(64, self.options.num_lables)
+
+    for method in (build_datasets, build_model):
+        out = tmp_path / method.__name__
+        with monkeypatch.context() as broken:
+            broken.setattr(Digits, method.__name__, method)
+            failed = run_main(*QUICK, "--output_dir", str(out))
+        assert failed.returncode == EXIT_TASK_FAILED, failed.stderr[-2000:]
+        last = failed.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"error: Digits.{method.__name__}() failed: "), last
+        assert "Traceback" not in failed.stderr and not out.exists()

@@ -5,6 +5,7 @@ import difflib
 import importlib
 import inspect
 import pkgutil
+from pathlib import Path
 
 from jsonargparse import ArgumentParser
 
@@ -41,7 +42,10 @@ def task_class(name: str) -> type[Task]:
 
 
 def did_you_mean(name: str) -> str:
-    """'did you mean X? ' for a --task close to a built-in name or a module in src/tasks/ (path or name), else ''."""
+    """'did you mean X? ' for a --task close to a built-in name or a module in src/tasks/ (path or name), or a file's
+    path (its module's dotted path), else ''."""
+    if (name.endswith(".py") or "/" in name) and not Path(name).is_absolute():
+        return f"did you mean {'.'.join(Path(name).with_suffix('').parts)} (a module, not a file)? "
     shared = ("base", "classification", "digits")  # the contract, a base class, a built-in
     modules = [f"src.tasks.{m.name}" for m in pkgutil.iter_modules(__path__) if m.name not in shared]
     by_name = {path.rpartition(".")[2]: path for path in modules}

@@ -33,7 +33,7 @@ class Digits(ClassificationTask):
         """One split -> (inputs, labels), or (inputs,) unlabelled: 64 pixel values 0..16 -> 1x8x8 floats in [0, 1]."""
         table, options = tables[name], self.options
         check_columns(table, [options.input_column, *([options.label_column] if labelled else [])],
-                      "--input_column / --label_column")  # fmt: skip
+                      "--input_column / --label_column", name)  # fmt: skip
         inputs = column_tensor(table, options.input_column, name).float().div(16.0).view(-1, 1, 8, 8)
         if not labelled:
             return TensorDataset(inputs)

@@ -136,7 +136,7 @@ class CausalLM(Task):
         data = load_splits(self.config, [split])[split]
         if labelled:
             return self.to_blocks(data, self.options.max_eval_tokens)
-        check_columns(data, [self.options.text_column], "--text_column to the text column")
+        check_columns(data, [self.options.text_column], "--text_column to the text column", split)
         length = self.options.block_size
         prompts = torch.full((len(data), length), SEPARATOR, dtype=torch.long)
         for row, text in enumerate(data[self.options.text_column]):

@@ -40,7 +40,7 @@ class HuggingFaceTask(Task):
         names = names or [self.config.train_split, self.config.eval_split]
         splits = load_splits(self.config, names)
         for name in names:
-            check_columns(splits[name], columns, flags)
+            check_columns(splits[name], columns, flags, name)
             check_complete(splits[name], columns, name)
         return [splits[name] for name in names]
 

@@ -192,7 +192,7 @@ class ImageClassification(ClassificationTask):
         for name in names:
             split = splits[name]
             columns = [options.image_column, *[options.label_column] * labelled]
-            check_columns(split, columns, self.COLUMN_FLAGS)
+            check_columns(split, columns, self.COLUMN_FLAGS, name)
             check_complete(split, columns, name)
             if not isinstance(split.features[options.image_column], datasets.Image):  # paths or bytes: decode them
                 split = split.cast_column(options.image_column, datasets.Image())

@@ -3,8 +3,9 @@
     python train.py --task tabular --data_files '{train: my/train.csv, eval: my/eval.csv}' --label_column species \
         --features '[sepal_length, sepal_width]' --hidden_size 64
 
-Without `features`, every column except the label is a feature. The model (an MLP) standardises them with the train
-split's mean and standard deviation, held as buffers: a saved model takes raw features.
+Without `features`, every column except the label and the id (`--id_column`) is a feature. The model (an MLP)
+standardises them with the train split's mean and standard deviation, held as buffers: a saved model takes raw
+features.
 """
 
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ class Tabular(ClassificationTask):
     @dataclass
     class Options:
         label_column: str = "label"  # integer class labels
-        features: list[str] | None = None  # feature columns; None: every column except the label
+        features: list[str] | None = None  # feature columns; None: every column but the label and --id_column
         num_labels: int | None = None  # classes; None: the train split's largest label + 1
         hidden_size: int = 64
         num_layers: int = 2  # hidden layers
@@ -35,7 +36,7 @@ class Tabular(ClassificationTask):
     def build_datasets(self) -> tuple[TensorDataset, TensorDataset]:
         tables, label = load_tables(self.config), self.options.label_column
         train, evals = self.config.train_split, self.config.eval_split
-        self.features = self.options.features or [c for c in tables[train].column_names if c != label]
+        self.features = self.options.features or self.other_columns(tables[train], label)
         (train_x, train_y), (eval_x, eval_y) = (self.to_tensors(tables, name, label) for name in (train, evals))
         self.num_labels = self.options.num_labels or int(train_y.max()) + 1
         check_labels(train_y, self.num_labels, self.config.train_split)
@@ -46,7 +47,7 @@ class Tabular(ClassificationTask):
     def build_eval_dataset(self, split: str, labelled: bool = True) -> TensorDataset:
         """Without training: the features and labels as named; the standardisation comes with the saved model."""
         tables, label = load_tables(self.config, [split]), self.options.label_column
-        self.features = self.options.features or [c for c in tables[split].column_names if c != label]
+        self.features = self.options.features or self.other_columns(tables[split], label)
         label = label if labelled else None
         inputs, labels = self.to_tensors(tables, split, label)
         self.num_labels = self.options.num_labels or (int(labels.max()) + 1 if labelled else None)
@@ -57,10 +58,13 @@ class Tabular(ClassificationTask):
         self.mean, self.std = torch.zeros(len(self.features)), torch.ones(len(self.features))  # replaced on loading
         return TensorDataset(inputs, labels) if labelled else TensorDataset(inputs)
 
+    def other_columns(self, table, label: str) -> list[str]:
+        return [name for name in table.column_names if name not in (label, self.config.id_column)]
+
     def to_tensors(self, tables, split: str, label: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(features, labels) of one split; `label` None: features only."""
         table = tables[split]
-        check_columns(table, [*self.features, *filter(None, [label])], "--features / --label_column")
+        check_columns(table, [*self.features, *filter(None, [label])], "--features / --label_column", split)
         features = torch.stack([column_tensor(table, f, split).float() for f in self.features], dim=1)
         return features, column_tensor(table, label, split).long() if label else None
 
