@@ -9,7 +9,7 @@ from pathlib import Path
 
 EXIT_USAGE = 2  # bad input (config, flags, data, paths, a launch this machine can't run): the line names the fix
 EXIT_DIVERGED = 65  # the loss became NaN/inf (earlier checkpoints are intact); EX_DATAERR from sysexits.h
-EXIT_TASK_FAILED = 70  # the task's code failed on a batch: the line names the hook and the batch; EX_SOFTWARE
+EXIT_TASK_FAILED = 70  # the task's code failed (its data, model, a batch): the line names the hook; EX_SOFTWARE
 EXIT_WRITE_FAILED = 74  # a checkpoint could not be written or uploaded (the previous are intact); EX_IOERR
 EXIT_PREEMPTED = 75  # preempted, a checkpoint saved: run the same command to resume; EX_TEMPFAIL, "try again"
 EXIT_LAUNCHER_GONE = 129  # 128 + SIGHUP, as a process whose terminal hung up (src/preemption.py)
