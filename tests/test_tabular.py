@@ -192,3 +192,27 @@ def test_without_named_features_the_id_column_is_not_one(tmp_path):
     task = build_task(resolve(TrainConfig(task="tabular", data_files=files)))
     (train_x, _), _ = [dataset.tensors for dataset in task.build_datasets()]
     assert task.features == ["x"] and train_x.tolist() == [[1.0], [2.0], [3.0], [4.0]]
+
+
+def test_a_test_split_leaves_the_train_statistics_and_classes_in_the_model(tmp_path):
+    """Training with a labelled test split and an unlabelled one to predict: the saved model standardises with the
+    train split's mean and std (a test split's building once reset them to 0 and 1), with the train split's classes."""
+    from safetensors.torch import load_file
+
+    rows = np.random.default_rng(0).normal(loc=3.0, scale=2.0, size=(300, 4))
+    table = pd.DataFrame(rows, columns=["a", "b", "c", "d"]).assign(label=(rows[:, 0] > 3).astype(int))
+    table.insert(0, "id", [f"r{i}" for i in range(len(table))])
+    files = {"train": tmp_path / "train.csv", "eval": tmp_path / "eval.csv", "test": tmp_path / "test.csv"}
+    table[:200].to_csv(files["train"], index=False)
+    table[200:250].to_csv(files["eval"], index=False)
+    table[250:].drop(columns=["label"]).to_csv(files["test"], index=False)
+    data = "{" + ", ".join(f"{split}: {path}" for split, path in files.items()) + "}"
+    out = tmp_path / "run"
+    assert_ok(run_main("--task", "tabular", "--data_files", data, "--max_steps", "10", "--do_predict", "true",
+                       "--output_dir", str(out)))  # fmt: skip
+    weights = load_file(out / "model" / "model.safetensors")
+    train = torch.tensor(table[:200][["a", "b", "c", "d"]].to_numpy(), dtype=torch.float32)
+    torch.testing.assert_close(weights["0.mean"], train.mean(dim=0))
+    torch.testing.assert_close(weights["0.std"], train.std(dim=0))
+    rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert [row["id"] for row in rows] == [f"r{i}" for i in range(250, 300)] and len(rows[0]["probabilities"]) == 2

@@ -33,6 +33,11 @@ class Tabular(ClassificationTask):
                 if getattr(self, name) is not None and getattr(self, name) <= 0:  # num_labels may be None
                     raise UsageError(f"--{name} must be > 0 (got {getattr(self, name)})")
 
+    features: list[str] | None = None  # the feature columns, the classes and the train split's statistics: set by
+    num_labels: int | None = None  # build_datasets in training, else by build_eval_dataset from the split and options
+    mean: torch.Tensor | None = None
+    std: torch.Tensor | None = None
+
     def build_datasets(self) -> tuple[TensorDataset, TensorDataset]:
         tables, label = load_tables(self.config), self.options.label_column
         train, evals = self.config.train_split, self.config.eval_split
@@ -45,17 +50,18 @@ class Tabular(ClassificationTask):
         return TensorDataset(train_x, train_y), TensorDataset(eval_x, eval_y)
 
     def build_eval_dataset(self, split: str, labelled: bool = True) -> TensorDataset:
-        """Without training: the features and labels as named; the standardisation comes with the saved model."""
+        """A test or predicted split after build_datasets (its features, classes and statistics stay), or without
+        training: the features and labels as named; the standardisation comes with the saved model."""
         tables, label = load_tables(self.config, [split]), self.options.label_column
-        self.features = self.options.features or self.other_columns(tables[split], label)
-        label = label if labelled else None
-        inputs, labels = self.to_tensors(tables, split, label)
-        self.num_labels = self.options.num_labels or (int(labels.max()) + 1 if labelled else None)
+        self.features = self.features or self.options.features or self.other_columns(tables[split], label)
+        inputs, labels = self.to_tensors(tables, split, label if labelled else None)
+        self.num_labels = self.num_labels or self.options.num_labels or (int(labels.max()) + 1 if labelled else None)
         if self.num_labels is None:
             raise UsageError("set --num_labels: without training or labels, the model's size is not known")
         if labelled:
             check_labels(labels, self.num_labels, split)
-        self.mean, self.std = torch.zeros(len(self.features)), torch.ones(len(self.features))  # replaced on loading
+        if self.mean is None:  # without training: placeholders, which loading the saved model replaces
+            self.mean, self.std = torch.zeros(len(self.features)), torch.ones(len(self.features))
         return TensorDataset(inputs, labels) if labelled else TensorDataset(inputs)
 
     def other_columns(self, table, label: str) -> list[str]:
