@@ -195,8 +195,8 @@ def test_without_named_features_the_id_column_is_not_one(tmp_path):
 
 
 def test_a_test_split_leaves_the_train_statistics_and_classes_in_the_model(tmp_path):
-    """Training with a labelled test split and an unlabelled one to predict: the saved model standardises with the
-    train split's mean and std (a test split's building once reset them to 0 and 1), with the train split's classes."""
+    """Training with a test split to predict (no labels): the saved model standardises with the train split's mean
+    and std (building a test split once reset them to 0 and 1), with the train split's classes."""
     from safetensors.torch import load_file
 
     rows = np.random.default_rng(0).normal(loc=3.0, scale=2.0, size=(300, 4))
