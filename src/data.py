@@ -173,16 +173,20 @@ def load_hub_dataset(config: TrainConfig):
 
 
 class MissingColumns(UsageError):
-    """A split lacks columns the task reads (a test split without its labels is only predicted: src/loaders.py)."""
+    """A split lacks columns the task reads (a test split without its labels is only predicted: src/loaders.py);
+    `what`: which, without the fix."""
+
+    def __init__(self, what: str, flags: str):
+        super().__init__(f"{what}; set {flags}")
+        self.what = what
 
 
 def check_columns(split, wanted: list[str], flags: str, name: str | None = None) -> None:
     """`split` (a Table or `datasets.Dataset`; `name`: which split) has the columns `wanted`, else one line: `flags`."""
     if missing := set(wanted) - set(split.column_names):
         where = f"the {name} split" if name else "the data"
-        raise MissingColumns(
-            f"{where} has no column {', '.join(sorted(missing))} (it has {', '.join(split.column_names)}); set {flags}"
-        )
+        what = f"{where} has no column {', '.join(sorted(missing))} (it has {', '.join(split.column_names)})"
+        raise MissingColumns(what, flags)
 
 
 def check_complete(split, columns: list[str], name: str) -> None:

@@ -69,24 +69,26 @@ def build_test_and_predict_loaders(task, config: TrainConfig, pin_memory: bool =
     and --do_eval (one without labels is only predicted); --do_predict's split (test, else eval) as unlabelled inputs
     (an LM's prompts), in order."""
     has_test = (config.do_eval or config.do_predict) and has_split(config, config.test_split)
-    test_loader = predict_split = predict_loader = None
-    if config.do_eval and has_test and (dataset := labelled_split(task, config.test_split)) is not None:
-        test_loader = build_eval_loader(dataset, config, task.collate_fn(), config.max_predict_samples, pin_memory)
+    test_loader = predict_split = predict_loader = inputs = None
+    if config.do_eval and has_test:
+        labelled, inputs = labelled_split(task, config.test_split)  # inputs: the split lacks labels, read once
+        if labelled is not None:
+            test_loader = build_eval_loader(labelled, config, task.collate_fn(), config.max_predict_samples, pin_memory)
     if config.do_predict:
         predict_split = config.test_split if has_test else config.eval_split
-        inputs = task.build_eval_dataset(predict_split, labelled=False)
+        inputs = task.build_eval_dataset(predict_split, labelled=False) if inputs is None else inputs
         predict_loader = build_eval_loader(inputs, config, task.collate_fn(), config.max_predict_samples)
     return test_loader, predict_split, predict_loader
 
 
-def labelled_split(task, split: str) -> Dataset | None:
-    """The split with its labels; None, said in a warning, where it lacks them but has the inputs (rows to predict)."""
+def labelled_split(task, split: str) -> tuple[Dataset | None, Dataset | None]:
+    """(the split with its labels, None); or, said in a warning, (None, its inputs) where it lacks the labels only."""
     try:
-        return task.build_eval_dataset(split)
+        return task.build_eval_dataset(split), None
     except MissingColumns as missing:
-        task.build_eval_dataset(split, labelled=False)  # lacking more than the labels: that error
-        logger.warning("no test/ metrics: %s; it is only predicted (--do_predict)", str(missing).split(";")[0])
-        return None
+        inputs = task.build_eval_dataset(split, labelled=False)  # lacking more than the labels: that error
+        logger.warning("no test/ metrics: %s; it is only predicted (--do_predict)", missing.what)
+        return None, inputs
 
 
 def check_first_batch(loader: DataLoader, task) -> None:

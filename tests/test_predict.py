@@ -10,12 +10,16 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from torch.utils.data import TensorDataset
 
 from src.best import BestEvaluation
 from src.checkpoint import TrainerState, rotate_checkpoints
 from src.cli import parse_config
 from src.config import TrainConfig
+from src.data import MissingColumns
 from src.errors import UsageError
+from src.loaders import build_test_and_predict_loaders
+from src.tasks.base import Task
 from tests.conftest import (
     REPO,
     assert_ok,
@@ -193,6 +197,23 @@ def test_an_unlabelled_test_split_is_predicted_not_scored_beside_training(tmp_pa
     result = run_main("--max_steps", "10", "--data_files", files, "--output_dir", str(tmp_path / "refused"))
     assert result.returncode == 2 and "error: the test split has no column pixels" in result.stderr
     assert not (tmp_path / "refused").exists()
+
+
+def test_an_unlabelled_test_split_is_read_once_for_the_check_and_the_predictions():
+    """Finding that the test split lacks labels reads its inputs; the predictions use that reading, not another."""
+    reads, inputs = [], TensorDataset(torch.zeros(3, 2))
+
+    class Unlabelled(Task):
+        def build_eval_dataset(self, split: str, labelled: bool = True):
+            reads.append((split, labelled))
+            if labelled:
+                raise MissingColumns("the test split has no column label (it has pixels)", "--label_column")
+            return inputs
+
+    config = TrainConfig(data_files={"train": "a", "eval": "b", "test": "c"}, do_predict=True)
+    test_loader, split, predict_loader = build_test_and_predict_loaders(Unlabelled(config), config)
+    assert reads == [("test", True), ("test", False)]
+    assert test_loader is None and split == "test" and predict_loader.dataset is inputs
 
 
 def best_run(tmp_path: Path, name: str, extra=(), hook: str | None = None):
