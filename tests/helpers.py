@@ -196,6 +196,13 @@ ALL_STRATEGIES = {"fsdp": "FSDP2", "deepspeed_zero2": "DeepSpeed ZeRO-2", "deeps
 STRATEGIES = {name: s for name, s in ALL_STRATEGIES.items() if (REPO / "accelerate_configs" / f"{name}.yaml").is_file()}
 
 
+def needs_package(package: str, install: str):
+    """Skip where `package` is not installed, found without importing it: importorskip("peft") would import
+    transformers at collection (~3 s), in every pytest run and each copy that the removal checks collect."""
+    missing = importlib.util.find_spec(package) is None
+    return pytest.mark.skipif(missing, reason=f"{package} is not installed: {install}")
+
+
 def strategy_params(without: tuple[str, ...] = ()):
     """The sharding configs as test parameters, DeepSpeed's skipped where it is not installed; `without` leaves some
     out (e.g. ZeRO-2 where whole parameters make it DDP's case)."""

@@ -17,11 +17,11 @@ from tests.helpers import (
     classification,
     language_modeling,
     lm_eval_loss,
+    needs_package,
     strategy_params,
 )
 
-pytest.importorskip("peft")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, needs_package("peft", "pip install -r requirements/hf.txt")]
 
 LORA = ["--peft", "lora", "--learning_rate", "3e-2", "--warmup_steps", "0"]  # fast enough to move off the base
 

@@ -20,9 +20,9 @@ from tests.conftest import (
     run_command,
     run_main,
 )
-from tests.helpers import assert_bash_blocks_run, assert_error_line
+from tests.helpers import assert_bash_blocks_run, assert_error_line, needs_package
 
-pytest.importorskip("ray.train")
+pytestmark = needs_package("ray", "pip install -r requirements/ray.txt")
 
 # 20 steps at the learning rate where 1 and 2 processes agree to float rounding (docs/how_it_works.md)
 SAME_RUN = ["--learning_rate", "1e-3", "--max_steps", "20", "--logging_steps", "1", "--eval_steps", "1000"]
