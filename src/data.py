@@ -1,5 +1,6 @@
 """A task's data: `datasets.load_dataset` (local files, image folders, the Hub) or, for tensors, pyarrow Tables."""
 
+import contextlib
 from pathlib import Path
 
 from src.config import TrainConfig
@@ -28,7 +29,7 @@ def load_splits(config: TrainConfig, names: list[str] | None = None):
         try:
             splits = datasets.load_dataset(builder, data_files=files)
         except datasets.exceptions.DatasetGenerationError as err:
-            raise unreadable(builder, err.__cause__ or err) from err
+            raise unreadable_splits(builder, files, err) from err
     for split in names:
         check_rows(len(splits[split]), split)
     return splits
@@ -75,6 +76,21 @@ def local_files(config: TrainConfig, names: list[str]) -> tuple[dict[str, str], 
 
 def unreadable(builder: str, cause: BaseException) -> UsageError:
     return UsageError(f"could not read the {builder} data files ({one_line(cause)}); check --data_files")
+
+
+def unreadable_splits(builder: str, files: dict[str, str], err: Exception) -> UsageError:
+    """datasets reads the splits as one table: if each file reads alone, their columns differ; say each split's."""
+    import datasets
+
+    columns = {}
+    if len(files) > 1:
+        with contextlib.suppress(datasets.exceptions.DatasetGenerationError):
+            columns = {split: datasets.load_dataset(builder, data_files={split: file})[split].column_names
+                       for split, file in files.items()}  # fmt: skip
+    if len({frozenset(names) for names in columns.values()}) > 1:
+        listed = "; ".join(f"{split}: {', '.join(names)}" for split, names in columns.items())
+        return UsageError(f"the {builder} files of the splits have different columns ({listed}); give them the same")
+    return unreadable(builder, err.__cause__ or err)
 
 
 def check_rows(rows: int, split: str) -> None:

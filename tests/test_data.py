@@ -141,6 +141,24 @@ def test_bad_data_is_a_usage_error(tmp_path, frame, overrides, message):
         build_dataloaders(config_for(write_split_files(tmp_path, frame), **overrides))
 
 
+@pytest.mark.parametrize("fmt", ["csv", "jsonl"])
+def test_splits_with_different_columns_are_named_with_theirs(tmp_path, fmt):
+    """A train file without the label column beside an eval file with it: each split's columns, not datasets' words."""
+    files = {split: tmp_path / f"{split}.{fmt}" for split in ("train", "eval")}
+    frame = digits_frame("eval").head(8).assign(pixels=lambda f: f["pixels"].map(len))  # CSV: no lists
+    for split, data in {"train": frame.drop(columns=["label"]), "eval": frame}.items():
+        data.to_csv(files[split], index=False) if fmt == "csv" else data.to_json(
+            files[split], orient="records", lines=True
+        )
+    builder = "csv" if fmt == "csv" else "json"
+    with pytest.raises(UsageError) as refused:
+        build_dataloaders(config_for(files))
+    columns = "(train: pixels; eval: pixels, label)"
+    assert (
+        str(refused.value) == f"the {builder} files of the splits have different columns {columns}; give them the same"
+    )
+
+
 def test_missing_file_names_the_split(tmp_path):
     with pytest.raises(UsageError, match="data file for split 'train' not found"):
         build_dataloaders(config_for({"train": tmp_path / "nope.parquet", "eval": tmp_path / "nope.parquet"}))
