@@ -46,6 +46,13 @@ class Accelerator(accelerate.Accelerator):
         with deepspeed_only_if_used(self):
             return super().prepare(*args, device_placement=device_placement)
 
+    def prepare_model(self, model: torch.nn.Module, device_placement=None, evaluation_mode: bool = False):
+        """Upstream's, minus DDP around a model with nothing to train on CPU processes (eval-only of an adapter): DDP
+        refuses one, and upstream leaves it out on GPUs already."""
+        frozen = not any(parameter.requires_grad for parameter in model.parameters())
+        evaluation_mode |= frozen and self.distributed_type == accelerate.utils.DistributedType.MULTI_CPU
+        return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
         """Upstream's, minus importing `datasets` (~0.5 s) to test for its IterableDataset, absent if never imported."""
         with hidden("datasets"):

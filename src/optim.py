@@ -37,5 +37,10 @@ def build_scheduler(optimizer, config: TrainConfig, total_steps: int) -> torch.o
             "--warmup_steps %d covers all %d steps of this run: the learning rate only rises; lower --warmup_steps",
             *(warmup, total_steps),
         )
+    elif 2 * warmup >= total_steps:  # most of a short run at a low rate: it barely learns
+        logger.warning(
+            "--warmup_steps %d is %d%% of this run's %d steps: the learning rate peaks late; lower --warmup_steps "
+            "(a tenth of the run: %d)", *(warmup, 100 * warmup // total_steps, total_steps, total_steps // 10)
+        )  # fmt: skip
     kind = config.lr_scheduler_type
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, warmup, kind))

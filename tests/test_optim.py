@@ -116,9 +116,12 @@ def test_adamw_is_fused_and_updates_as_the_default_kernel_does():
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
 
 
-def test_a_run_shorter_than_its_warmup_is_warned_about(caplog):
+def test_a_run_shorter_than_its_warmup_or_twice_it_is_warned_about(caplog):
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    build_scheduler(optimizer, TrainConfig(warmup_steps=20), total_steps=100)
+    build_scheduler(optimizer, TrainConfig(warmup_steps=20), total_steps=41)
     assert "warmup_steps" not in caplog.text
+    build_scheduler(optimizer, TrainConfig(warmup_steps=20), total_steps=30)
+    assert "--warmup_steps 20 is 66% of this run's 30 steps: the learning rate peaks late; lower --warmup_steps " \
+        "(a tenth of the run: 3)" in caplog.text  # fmt: skip
     build_scheduler(optimizer, TrainConfig(warmup_steps=20), total_steps=20)
     assert "--warmup_steps 20 covers all 20 steps of this run: the learning rate only rises" in caplog.text

@@ -156,6 +156,18 @@ def test_predictions_of_a_prime_sized_input_are_the_same_on_1_2_and_3_processes(
     assert all(abs(sum(row["probabilities"]) - 1) < 1e-5 for row in rows[1])
 
 
+def test_rows_without_ids_follow_the_input_order_and_say_so(trained, prime_input, tmp_path):
+    """The file's ids under another name than --id_column: no ids in the rows, and a line that says why."""
+    out = tmp_path / "predicted"
+    result = run_main("--do_train", "false", "--do_eval", "false", "--do_predict", "true", "--id_column", "doc_id",
+                      "--output_dir", str(out), "--model_name_or_path", str(trained / "model"),
+                      "--data_files", f"{{test: {prime_input}}}")  # fmt: skip
+    assert_ok(result)
+    assert "the rows follow the test split's order: it has no ids (--id_column doc_id)" in result.stderr
+    rows = predictions(out)
+    assert len(rows) == 97 and not {"id", "doc_id"} & set(rows[0])
+
+
 @pytest.mark.slow
 def test_predict_from_python_returns_the_rows_of_predictions_jsonl(trained, prime_input, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
