@@ -117,8 +117,8 @@ BUILDERS = {"bert": (bert_tokenizer, bert_model), "gpt2": (gpt2_tokenizer, gpt2_
 
 
 def make_vit(out: Path) -> None:
-    # here, not at the top: without torchvision the processor's import warns, and only a ViT needs it
-    from transformers import ViTConfig, ViTImageProcessor, ViTModel
+    # the PIL processor: the default one warns without torchvision and falls back to it (the same saved config)
+    from transformers import ViTConfig, ViTImageProcessorPil, ViTModel
 
     torch.manual_seed(0)
     config = ViTConfig(
@@ -131,7 +131,7 @@ def make_vit(out: Path) -> None:
         intermediate_size=64,
     )
     model = ViTModel(config, add_pooling_layer=False)  # the classifier reads the [CLS] token's final state
-    processor = ViTImageProcessor(size={"height": 8, "width": 8}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    processor = ViTImageProcessorPil(size={"height": 8, "width": 8}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
     out.mkdir(parents=True, exist_ok=True)
     processor.save_pretrained(out)
     model.save_pretrained(out)
@@ -169,4 +169,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from transformers.utils import logging as transformers_logging
+
+    from src.imports import hidden
+
+    transformers_logging.disable_progress_bar()  # a shard or two: a bar per model says nothing
+    with hidden("deepspeed"):  # transformers' save probes it; importing it prints DeepSpeed's accelerator warning
+        main()
