@@ -189,11 +189,11 @@ def load_hub_dataset(config: TrainConfig):
 
 
 class MissingColumns(UsageError):
-    """A split lacks columns the task reads (a test split without its labels is only predicted: src/loaders.py);
-    `what`: which, without the fix."""
+    """A split lacks columns the task reads, or an image folder its class subfolders (a test split without its labels
+    is only predicted: src/loaders.py); `what`: which, without the fix."""
 
-    def __init__(self, what: str, flags: str):
-        super().__init__(f"{what}; set {flags}")
+    def __init__(self, what: str, fix: str):
+        super().__init__(f"{what}; {fix}")
         self.what = what
 
 
@@ -202,7 +202,7 @@ def check_columns(split, wanted: list[str], flags: str, name: str | None = None)
     if missing := set(wanted) - set(split.column_names):
         where = f"the {name} split" if name else "the data"
         what = f"{where} has no column {', '.join(sorted(missing))} (it has {', '.join(split.column_names)})"
-        raise MissingColumns(what, flags)
+        raise MissingColumns(what, f"set {flags}")
 
 
 def check_complete(split, columns: list[str], name: str) -> None:

@@ -8,7 +8,7 @@ from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 from src import features, strategy
 from src.config import TrainConfig
 from src.data import MissingColumns, has_split
-from src.errors import TaskFailed, UsageError, describe, one_line
+from src.errors import RunStopped, TaskFailed, UsageError, describe, one_line
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,12 @@ def labelled_split(task, split: str) -> tuple[Dataset | None, Dataset | None]:
 
 def check_first_batch(loader: DataLoader, task) -> None:
     """Collate one batch before training: a sample format the collate_fn can't batch is one line, not a traceback."""
-    samples = [loader.dataset[i] for i in range(min(loader.batch_size or 1, len(loader.dataset)))]
+    try:
+        samples = [loader.dataset[i] for i in range(min(loader.batch_size or 1, len(loader.dataset)))]
+    except RunStopped:
+        raise
+    except Exception as err:  # e.g. an image file that does not decode
+        raise TaskFailed(f"reading the first samples failed: {type(err).__name__}: {one_line(err)[:400]}") from err
     try:
         (loader.collate_fn or default_collate)(samples)
     except Exception as err:

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Subset
 from scripts.readme_commands import section_commands
 from src.batches import EpochDependent, LoaderBatches
 from src.cli import parse_config
-from src.errors import UsageError
+from src.errors import EXIT_TASK_FAILED, UsageError
 from src.features.images.image_classification import Augmentation, ImageSamples, Preprocess, sample_generator
 from src.tasks import build_task
 from tests.conftest import (
@@ -321,3 +321,53 @@ def test_the_default_folder_not_written_yet_is_one_line_naming_the_script(tmp_pa
     result = run_main("--task", "image_classification", "--output_dir", str(out), cwd=tmp_path)
     assert_error_line(result, r"the image folder data/digit_images/train is not in .*scripts/make_image_folder.py")
     assert not out.exists()
+
+
+# --- images that don't read or batch, and a test folder without classes: one line, or only predicted ---
+
+COLOURS = {"blue": (0, 0, 255), "green": (0, 255, 0), "red": (255, 0, 0)}
+# 30 images, 10 a step: every step of an epoch reads each once (the last is red/9.png, past the first batch's 10)
+TINY = ["--task", "image_classification", "--per_device_train_batch_size", "10", "--global_batch_size", "10",
+        "--max_steps", "3", "--eval_steps", "1000", "--dataloader_num_workers", "1"]  # fmt: skip
+
+
+def colour_folders(root: Path, odd: str | None = None) -> dict[str, Path]:
+    """train/ and eval/ of 10 8x8 images a colour; `odd`: red/9.png in train corrupt, or 12x10 ("size")."""
+    for split in ("train", "eval"):
+        for name, rgb in COLOURS.items():
+            (root / split / name).mkdir(parents=True)
+            for i in range(10):
+                Image.new("RGB", (8, 8), rgb).save(root / split / name / f"{i}.png")
+    if odd == "corrupt":
+        (root / "train" / "red" / "9.png").write_bytes(b"not a png at all")
+    elif odd == "size":
+        Image.new("RGB", (12, 10), COLOURS["red"]).save(root / "train" / "red" / "9.png")
+    return {split: root / split for split in ("train", "eval")}
+
+
+@pytest.mark.parametrize(
+    "odd, line",
+    [("corrupt", r"reading a batch failed: .*UnidentifiedImageError: cannot identify image file .*red/9\.png"),
+     ("size", r"reading a batch failed: ValueError: the images differ in size: 8x8 and 12x10 \(.*red/9\.png\); set "
+              r"--image_size N to resize each to N x N")],
+)  # fmt: skip
+def test_an_image_that_does_not_read_or_batch_is_one_line_from_a_loader_worker(tmp_path, odd, line):
+    folders = colour_folders(tmp_path / "images", odd)
+    files = f"{{train: {folders['train']}, eval: {folders['eval']}}}"
+    result = run_main(*TINY, "--data_files", files, "--output_dir", str(tmp_path / "run"))
+    assert_error_line(result, line, exit_code=EXIT_TASK_FAILED)
+
+
+def test_an_unlabelled_test_folder_beside_training_is_predicted_not_scored(tmp_path):
+    folders = colour_folders(tmp_path / "images")
+    shutil.copytree(folders["eval"] / "green", unlabelled := tmp_path / "images" / "new")
+    files = f"{{train: {folders['train']}, eval: {folders['eval']}, test: {unlabelled}}}"
+    out = tmp_path / "run"
+    result = run_main(*TINY, "--data_files", files, "--do_predict", "true", "--output_dir", str(out))
+    assert_ok(result)
+    assert (
+        f"no test/ metrics: the test folder {unlabelled} has no class subfolders to label its images by"
+        in result.stderr
+    )
+    rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert sorted(row["id"] for row in rows) == [f"{i}.png" for i in range(10)]

@@ -219,7 +219,7 @@ def test_an_unlabelled_test_split_is_read_once_for_the_check_and_the_predictions
         def build_eval_dataset(self, split: str, labelled: bool = True):
             reads.append((split, labelled))
             if labelled:
-                raise MissingColumns("the test split has no column label (it has pixels)", "--label_column")
+                raise MissingColumns("the test split has no column label (it has pixels)", "set --label_column")
             return inputs
 
     config = TrainConfig(data_files={"train": "a", "eval": "b", "test": "c"}, do_predict=True)

@@ -1,6 +1,7 @@
 """The task contract: how --task finds a class, its typed options on the command line, its errors."""
 
 import dataclasses
+import re
 import subprocess
 import sys
 import textwrap
@@ -371,3 +372,37 @@ def test_a_task_failing_on_its_data_or_model_is_one_line_before_anything_is_writ
         last = failed.stderr.strip().splitlines()[-1]
         assert last.startswith(f"error: Digits.{method.__name__}() failed: "), last
         assert "Traceback" not in failed.stderr and not out.exists()
+
+
+class Unreadable(torch.utils.data.Dataset):
+    """The digits, whose samples from index `bad` on don't read (as a truncated file does): an OSError."""
+
+    def __init__(self, inner, bad: int):
+        self.inner, self.bad = inner, bad
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int):
+        if index >= self.bad:
+            raise OSError(f"sample {index}: truncated file")
+        return self.inner[index]
+
+
+@pytest.mark.parametrize(
+    "bad, line",
+    [(0, "error: reading the first samples failed: OSError: sample 0: truncated file"),
+     (32, r"error: reading a batch failed: OSError: sample \d+: truncated file \(--debug true shows the traceback\)")],
+)  # fmt: skip
+def test_a_sample_that_does_not_read_is_one_line_before_training_or_in_it(tmp_path, monkeypatch, bad, line):
+    """Data the loop reads (a corrupt file, here from the first batch, or past it: read by the training loop): one
+    line, exit 70, not a traceback."""
+    from src.tasks.digits import Digits
+
+    build_datasets = Digits.build_datasets
+    monkeypatch.setattr(
+        Digits, "build_datasets", lambda self: (Unreadable(build_datasets(self)[0], bad), *build_datasets(self)[1:])
+    )
+    failed = run_main(*QUICK, "--output_dir", str(tmp_path / "run"))
+    assert failed.returncode == EXIT_TASK_FAILED, failed.stderr[-2000:]
+    assert re.fullmatch(line, failed.stderr.strip().splitlines()[-1]) and "Traceback" not in failed.stderr

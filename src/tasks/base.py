@@ -130,12 +130,32 @@ def task_errors(task: Task):
 
         method_code = {getattr(getattr(type(task), name, None), "__code__", None) for name in dir(type(task))}
         frame = next((f for f, _ in walk_tb(err.__traceback__) if f.f_code in method_code), None)
-        not_the_task = (RunStopped, OSError, getattr(dist, "DistError", OSError))  # no DistError: torch without dist
-        if frame is None or isinstance(err, not_the_task) or should_reduce_batch_size(err):
-            raise  # not in the task's code; a full disk, a lost peer, out of memory (--auto_find_batch_size's)
+        lost_peer = getattr(dist, "DistError", ())  # none: torch without torch.distributed
+        if isinstance(err, (RunStopped, lost_peer)) or should_reduce_batch_size(err):
+            raise  # said already; a lost peer; out of memory (--auto_find_batch_size's)
+        if frame is None and reading_data(err):  # a corrupt file, samples that don't batch: not a traceback either
+            raise TaskFailed(
+                f"reading a batch failed: {as_raised(err)[:400]} (--debug true shows the traceback)"
+            ) from err
+        if frame is None or isinstance(err, OSError):
+            raise  # not in the task's code; a full disk
         batch = frame.f_locals.get("batch")
         on = f" on a batch {describe(batch)}" if batch is not None else ""
         raise TaskFailed(
             f"{type(task).__name__}.{frame.f_code.co_name}() failed{on}: {type(err).__name__}: {one_line(err)[:400]} "
             "(--debug true shows the traceback)"
         ) from err
+
+
+def reading_data(err: Exception) -> bool:
+    """Whether `err` came out of a DataLoader fetching a batch (a dataset's __getitem__, a collate_fn, a worker)."""
+    return any(
+        "/torch/utils/data/" in frame.f_code.co_filename.replace("\\", "/") for frame, _ in walk_tb(err.__traceback__)
+    )
+
+
+def as_raised(err: Exception) -> str:
+    """`Type: message` as raised: a DataLoader worker's error arrives as "Caught X in DataLoader worker process 0.
+    Original Traceback (...)", whose last line is that."""
+    message = str(err).strip()
+    return message.splitlines()[-1] if "Original Traceback" in message else f"{type(err).__name__}: {one_line(err)}"

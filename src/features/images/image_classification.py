@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from src.data import check_columns, check_complete, load_splits, reads_local_files
+from src.data import MissingColumns, check_columns, check_complete, load_splits, reads_local_files
 from src.errors import UsageError
 from src.final_model import saved_model_dir
 from src.models.digits_cnn import DigitsCNN
@@ -75,15 +75,21 @@ class Preprocess:
 
     def __init__(self, processor=None, image_size: int | None = None):
         self.processor, self.image_size = processor, image_size
+        self.size_seen = None  # without image_size: the first image's, which every other must have to batch
 
     def __call__(self, image) -> torch.Tensor:
         from PIL import Image, ImageOps
 
+        name = getattr(image, "filename", "") or "an image"  # a decoded file's path (not a transposed copy's)
         image = ImageOps.exif_transpose(image).convert("RGB")
         if self.processor is not None:
             return self.processor(image, return_tensors="pt")["pixel_values"][0]
         if self.image_size:
             image = image.resize((self.image_size, self.image_size), Image.Resampling.BILINEAR)
+        elif image.size != (first := self.size_seen or image.size):
+            sizes = " and ".join("x".join(map(str, size)) for size in (first, image.size))
+            raise ValueError(f"the images differ in size: {sizes} ({name}); set --image_size N to resize each to N x N")
+        self.size_seen = image.size
         return torch.from_numpy(np.array(image)).permute(2, 0, 1).float().div(127.5).sub(1.0)
 
 
@@ -206,9 +212,9 @@ class ImageClassification(ClassificationTask):
         folder's own name): one line saying how to give them."""
         folder = self.split_folder(split)
         if folder is not None and not any(path.is_dir() for path in folder.iterdir()):
-            raise UsageError(
-                f"the {split} folder {folder} has no class subfolders to label its images by: put each class's "
-                f"images in a subfolder named after it ({folder}/<class>/*.png, two classes or more)"
+            raise MissingColumns(
+                f"the {split} folder {folder} has no class subfolders to label its images by",
+                f"put each class's images in a subfolder named after it ({folder}/<class>/*.png, two classes or more)",
             )
 
     def split_path(self, split: str) -> str | None:
