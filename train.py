@@ -223,9 +223,10 @@ def finish_training(run: Setup, config, state: checkpoint.TrainerState, best: Be
     if config.do_eval and not metrics:  # a finished run resumed: nothing trained, evaluate again
         metrics = evaluate(task, model, run.eval_loader, run.metric, accelerator)
         tracking.log_metrics(accelerator, metrics, step)
-    if config.load_best_model_at_end and state.best_model_step not in (None, step):
-        accelerator.load_state(str(checkpoint.checkpoint_dir(output_dir, state.best_model_step)))
-        metrics = evaluate(task, model, run.eval_loader, run.metric, accelerator)  # equal to the best's: a check
+    if config.load_best_model_at_end and state.best_model_step is not None:
+        if state.best_model_step != step:  # else the model is the best already
+            accelerator.load_state(str(checkpoint.checkpoint_dir(output_dir, state.best_model_step)))
+            metrics = evaluate(task, model, run.eval_loader, run.metric, accelerator)  # equal to the best's: a check
         tracking.log_metrics(accelerator, best.summary(), step)
     model_dir = final_model.save_final_model(accelerator, task, run.saved_model, output_dir)  # before more is read
     logger.info("model saved to %s; metrics in %s", model_dir, output_dir / run_dir.METRICS_FILE)

@@ -65,20 +65,24 @@ def convert(source: Path, target: Path, to: str) -> None:
         dcp.load({"optimizer": optimizer_state}, checkpoint_id=source / SHARDED[1], no_dist=True)
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
     else:
-        model.load_state_dict(safetensors.torch.load_file(source / WHOLE[0]))
+        safetensors.torch.load_model(model, source / WHOLE[0])  # tied weights (a GPT's head) saved once: as Accelerate
         optimizer.load_state_dict(torch.load(source / WHOLE[1], weights_only=True))
     # written as save_checkpoint writes one: under TMP_PREFIX (which a run clears), the trainer state last
     partial = target.with_name(TMP_PREFIX + target.name)
     shutil.rmtree(partial, ignore_errors=True)
-    shutil.copytree(source, partial, ignore=shutil.ignore_patterns(*WHOLE, *SHARDED, *ZERO, STATE_FILE))
-    if sharded:
-        safetensors.torch.save_file(model.state_dict(), partial / WHOLE[0], metadata={"format": "pt"})
-        torch.save(optimizer.state_dict(), partial / WHOLE[1])
-    else:
-        model_state, optimizer_state = get_state_dict(model, optimizer)  # keyed by parameter name, as FSDP2 saves
-        dcp.save({"model": model_state}, checkpoint_id=partial / SHARDED[0], no_dist=True)
-        dcp.save({"optimizer": optimizer_state}, checkpoint_id=partial / SHARDED[1], no_dist=True)
-    (partial / STATE_FILE).write_text(json.dumps({**state, "strategy": to}, indent=2) + "\n")
+    try:
+        shutil.copytree(source, partial, ignore=shutil.ignore_patterns(*WHOLE, *SHARDED, *ZERO, STATE_FILE))
+        if sharded:
+            safetensors.torch.save_model(model, partial / WHOLE[0], metadata={"format": "pt"})  # tied weights once
+            torch.save(optimizer.state_dict(), partial / WHOLE[1])
+        else:
+            model_state, optimizer_state = get_state_dict(model, optimizer)  # keyed by parameter name, as FSDP2 saves
+            dcp.save({"model": model_state}, checkpoint_id=partial / SHARDED[0], no_dist=True)
+            dcp.save({"optimizer": optimizer_state}, checkpoint_id=partial / SHARDED[1], no_dist=True)
+        (partial / STATE_FILE).write_text(json.dumps({**state, "strategy": to}, indent=2) + "\n")
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)  # nothing half-written left behind
+        raise
     partial.rename(target)  # whole or not at all
     print(f"{target}: the checkpoint for {to}; resume with --resume_from_checkpoint {target}")
 

@@ -17,6 +17,7 @@ from tests.conftest import (
     REPO,
     assert_ok,
     assert_processes,
+    logged_losses,
     read_metrics,
     run_command,
     run_main,
@@ -127,6 +128,35 @@ def test_gradient_checkpointing_recomputes_and_trains_the_same(tmp_path, monkeyp
         losses[flag] = series(read_metrics(out), "train/loss")
     assert list(losses["true"]) == list(losses["false"]) == [1, 2, 3, 4, 5]
     assert losses["true"] == pytest.approx(losses["false"], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_fsdp2_shards_each_block_on_its_own(tmp_path):
+    """accelerate_configs/fsdp.yaml wraps by transformer block: the GPT's 2 blocks, the final norm (Accelerate's tail
+    unit) and the root are the units (without `_no_split_modules`: the last two only)."""
+    out = tmp_path / "fsdp"
+    args = [*LM, *SMALL_LM, "--max_steps", "2", "--logging_steps", "1", "--do_eval", "false", "--output_dir", str(out)]
+    assert_ok(run_on(2, *args, config="fsdp"))
+    assert read_metrics(out)[0]["setup/strategy"] == "FSDP2" and read_metrics(out)[0]["setup/fsdp_units"] == 4
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_the_tied_gpt_converts_to_fsdp2_and_back(tmp_path):
+    """The head shares the token embedding's weight (saved once, as Accelerate saves it): scripts/convert_checkpoint.py
+    moves a 1-process checkpoint to FSDP2 on 2 processes, which continues as the 1-process run did, and back."""
+    args = [*LM, *SMALL_LM, "--max_steps", "6", "--save_steps", "3", "--eval_steps", "1000", "--mixed_precision", "no"]
+    assert_ok(run_main(*args, "--output_dir", str(tmp_path / "one")))
+    convert = [str(REPO / "scripts" / "convert_checkpoint.py")]
+    step = "checkpoints/step_3"
+    assert_ok(run_python(*convert, str(tmp_path / "one" / step), str(tmp_path / "sharded" / step), "--to", "FSDP2"))
+    resume = ["--resume_from_checkpoint", "latest"]
+    assert_ok(run_on(2, *args, *resume, "--output_dir", str(tmp_path / "sharded"), config="fsdp"))
+    one, sharded = logged_losses(tmp_path / "one"), logged_losses(tmp_path / "sharded")
+    assert sorted(sharded) == [4, 5, 6] and all(abs(sharded[s] - one[s]) < 1e-5 for s in sharded), (one, sharded)
+    step = "checkpoints/step_6"
+    assert_ok(run_python(*convert, str(tmp_path / "sharded" / step), str(tmp_path / "whole" / step), "--to", "DDP"))
+    assert_ok(run_main(*args, *resume, "--max_steps", "7", "--output_dir", str(tmp_path / "whole")))
+    assert sorted(logged_losses(tmp_path / "whole")) == [7]
 
 
 @pytest.mark.slow

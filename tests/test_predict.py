@@ -228,6 +228,16 @@ def test_an_unlabelled_test_split_is_read_once_for_the_check_and_the_predictions
     assert test_loader is None and split == "test" and predict_loader.dataset is inputs
 
 
+def test_a_best_model_at_the_last_step_is_logged_too(tmp_path):
+    """One evaluation, at the end: the best is the final model (nothing to load), and best_model/ says so."""
+    out = tmp_path / "run"
+    assert_ok(run_main("--max_steps", "4", "--eval_steps", "4", "--load_best_model_at_end", "true",
+                       "--output_dir", str(out)))  # fmt: skip
+    summary = [row for row in read_metrics(out) if "best_model/step" in row]
+    assert summary and summary[-1]["best_model/step"] == 4
+    assert summary[-1]["best_model/eval/loss"] == eval_results(out)["eval/loss"]
+
+
 def best_run(tmp_path: Path, name: str, extra=(), hook: str | None = None):
     """The *worst* accuracy is "best" (greater_is_better false): an early step, not the last, so the final weights
     must really be replaced by an older checkpoint's. With a `hook`, a process of its own (run_with_hook)."""

@@ -73,6 +73,8 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """(batch, time) token ids -> (batch, time, vocab_size) next-token logits; the LM head is the token embedding."""
 
+    _no_split_modules = ["Block"]  # FSDP2 shards each block on its own (accelerate_configs/fsdp.yaml), as transformers'
+
     def __init__(self, args: GPTConfig):
         super().__init__()
         self.block_size = args.block_size
