@@ -406,3 +406,19 @@ def test_a_sample_that_does_not_read_is_one_line_before_training_or_in_it(tmp_pa
     failed = run_main(*QUICK, "--output_dir", str(tmp_path / "run"))
     assert failed.returncode == EXIT_TASK_FAILED, failed.stderr[-2000:]
     assert re.fullmatch(line, failed.stderr.strip().splitlines()[-1]) and "Traceback" not in failed.stderr
+
+
+def test_a_failing_method_under_torch_no_grad_is_named_as_itself(tmp_path, monkeypatch):
+    """@torch.no_grad() wraps a method in torch's `decorate_context`: the line names the method, not the wrapper (nor
+    is every no_grad function's error the task's)."""
+    from src.tasks.digits import Digits
+
+    @torch.no_grad()
+    def eval_outputs(self, model, batch):
+        raise ValueError("an eval bug")
+
+    monkeypatch.setattr(Digits, "eval_outputs", eval_outputs)
+    failed = run_main(*QUICK, "--eval_steps", "2", "--output_dir", str(tmp_path / "run"))
+    assert failed.returncode == EXIT_TASK_FAILED, failed.stderr[-2000:]
+    last = failed.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: Digits.eval_outputs() failed on a batch ") and "ValueError: an eval bug" in last

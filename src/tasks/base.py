@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,7 +129,8 @@ def task_errors(task: Task):
         import torch.distributed as dist
         from accelerate.utils.memory import should_reduce_batch_size
 
-        method_code = {getattr(getattr(type(task), name, None), "__code__", None) for name in dir(type(task))}
+        methods = (inspect.unwrap(getattr(type(task), name)) for name in dir(type(task)))  # unwrap: @torch.no_grad()'s
+        method_code = {getattr(method, "__code__", None) for method in methods}
         frame = next((f for f, _ in walk_tb(err.__traceback__) if f.f_code in method_code), None)
         lost_peer = getattr(dist, "DistError", ())  # none: torch without torch.distributed
         if isinstance(err, (RunStopped, lost_peer)) or should_reduce_batch_size(err):
