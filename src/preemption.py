@@ -71,7 +71,9 @@ class PreemptionSignals(contextlib.AbstractContextManager):
     """Processes may be signalled at different steps: every `every`-th step starts a background gloo all-reduce of the
     flag and reads the one started `every` steps earlier, so all agree at the same step and none waits."""
 
-    CPU_EVERY = 10  # `every` on CPU processes (1 on GPUs): gloo's background work takes cores (docs/resume.md)
+    CPU_EVERY = 10  # `every` on CPU processes (1 on GPUs): gloo's background work takes cores (docs/resume.md) ...
+    AGREE_S = 1.0  # ... unless that is longer than this: slow steps agree sooner, well within GRACE_S
+    TIMED_STEPS = 3  # the steps timed to choose `every`, once
 
     def __init__(self, accelerator):
         self.alone = accelerator.num_processes == 1
@@ -86,6 +88,7 @@ class PreemptionSignals(contextlib.AbstractContextManager):
             self.group = torch.distributed.new_group(backend="gloo")  # a CPU flag: no device sync per step
             self.pending = None  # the all-reduce in flight, of self.flag
             self.every = self.CPU_EVERY if accelerator.device.type == "cpu" else 1
+            self.calls, self.started = 0, time.perf_counter()
 
     def handle(self, *signal_and_frame):
         self.received = True
@@ -94,6 +97,12 @@ class PreemptionSignals(contextlib.AbstractContextManager):
         """Call once per step on every process; True on all of them at the same step once any was signalled."""
         if self.alone:
             return self.received
+        if self.every > 1 and self.calls <= self.TIMED_STEPS:  # the first steps timed once, then `every` chosen
+            self.calls += 1
+            if self.calls == 1:
+                self.started = time.perf_counter()  # the first step (compiling, warming up) left out
+            elif self.calls == self.TIMED_STEPS + 1:
+                self.every = self.agreed_every((time.perf_counter() - self.started) / self.TIMED_STEPS)
         if step % self.every:
             return False
         agreed = False
@@ -105,6 +114,13 @@ class PreemptionSignals(contextlib.AbstractContextManager):
         self.flag = torch.tensor([float(self.received)])
         self.pending = torch.distributed.all_reduce(self.flag, group=self.group, async_op=True)
         return agreed
+
+    def agreed_every(self, seconds_per_step: float) -> int:
+        """CPU_EVERY steps, or fewer where they take longer than AGREE_S on the slowest process; the same on all: the
+        same call on each (a collective once, at the same step)."""
+        slowest = torch.tensor([seconds_per_step])
+        torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return max(1, min(self.CPU_EVERY, int(self.AGREE_S / max(slowest.item(), 1e-9))))
 
     def __exit__(self, error_type, error, traceback):
         """Restore the handlers we replaced, also when training raised: a notebook's kernel keeps its own."""

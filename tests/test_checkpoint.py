@@ -111,10 +111,11 @@ def test_sigkill_then_sigterm_on_one_of_2_processes_then_resume_matches_uninterr
     assert preempted.returncode == EXIT_PREEMPTED  # the status of the first rank to exit (run_ranks)
     assert "resuming from" in preempted.stdout + preempted.stderr
     assert "preempted: checkpoint" in preempted.stderr
-    # on CPU processes agree every 10 steps: the all-reduce started at step 40 carries the flag, read at step 50
-    state = json.loads((out / "checkpoints" / "step_50" / "trainer_state.json").read_text())
-    assert state["step"] == 50 and state["preempted"] is True
-    assert not (out / "checkpoints" / "step_60").exists()
+    # CPU processes agree every 10 steps (fewer where steps are slow: src/preemption.py): the all-reduce started at
+    # step 40 carries the flag, read at step 50 (at 0.1 s a step or more: sooner)
+    states = [json.loads((path / "trainer_state.json").read_text()) for path in (out / "checkpoints").iterdir()]
+    (state,) = [state for state in states if state["preempted"]]
+    assert 33 < state["step"] <= 50 and max(state["step"] for state in states) == state["step"]
 
     resumed = run_with_hook(tmp_path, args, processes=2)
     assert_ok(resumed)
@@ -150,7 +151,7 @@ def alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rank_1", ["trains", "hangs"])
+@pytest.mark.parametrize("rank_1", ["trains", "hangs", "slow"])
 def test_a_killed_launcher_takes_its_processes_along_through_a_preemption_checkpoint(tmp_path, rank_1):
     """SIGKILL of `accelerate launch` (kill -9, the OOM killer): torch elastic started each rank in a session of its
     own, so nothing signals them. They find their launcher gone, save a preemption checkpoint at the next step
@@ -165,6 +166,8 @@ def test_a_killed_launcher_takes_its_processes_along_through_a_preemption_checkp
     kill_launcher = "if step == 4 and os.environ['RANK'] == '0': os.kill(os.getppid(), signal.SIGKILL)"
     if rank_1 == "trains":  # rank 1 finds the launcher gone first; rank 0 learns it as the ranks agree to stop
         record += "\nimport src.preemption\nif os.environ['RANK'] == '0': src.preemption.POLL_S = 600"
+    if rank_1 == "slow":  # 0.4 s steps: 10 to agree would outlast the 5 s given to save; they agree every 2
+        kill_launcher += "\n    __import__('time').sleep(0.4)"
     if rank_1 == "hangs":
         kill_launcher += "\n    if step == 4 and os.environ['RANK'] == '1': __import__('time').sleep(600)"
         # rank 0 ends through the error rank 1's exit raises in its collective, with its own deadline far off and a
