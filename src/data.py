@@ -167,6 +167,10 @@ def file_builder(data_files: dict[str, str]) -> str:
     """The `datasets` builder for local files, from their extension (a folder: imagefolder); one for all splits."""
     suffixes = set()
     for split, path in data_files.items():
+        if any(character in str(path) for character in "*?[") and not Path(path).exists():
+            raise UsageError(
+                f"data file for split {split!r} is a pattern ({path}): name one file, or a folder of images"
+            )
         if not (Path(path).is_dir() or Path(path).is_file()):
             raise UsageError(
                 f"data file for split {split!r} not found: {path} (set --data_files or run from the repo root)"

@@ -162,6 +162,8 @@ def test_splits_with_different_columns_are_named_with_theirs(tmp_path, fmt):
 def test_missing_file_names_the_split(tmp_path):
     with pytest.raises(UsageError, match="data file for split 'train' not found"):
         build_dataloaders(config_for({"train": tmp_path / "nope.parquet", "eval": tmp_path / "nope.parquet"}))
+    with pytest.raises(UsageError, match=r"data file for split 'train' is a pattern \(.*/\*\.parquet\): name one file"):
+        build_dataloaders(config_for({"train": tmp_path / "*.parquet", "eval": tmp_path / "nope.parquet"}))
 
 
 def test_hub_dataset_offline_names_the_setting(monkeypatch, tmp_path):
