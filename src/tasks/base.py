@@ -129,7 +129,7 @@ def task_errors(task: Task):
         import torch.distributed as dist
         from accelerate.utils.memory import should_reduce_batch_size
 
-        methods = (inspect.unwrap(getattr(type(task), name)) for name in dir(type(task)))  # unwrap: @torch.no_grad()'s
+        methods = (inspect.unwrap(getattr(type(task), name, None)) for name in dir(type(task)))  # @torch.no_grad()
         method_code = {getattr(method, "__code__", None) for method in methods}
         frame = next((f for f, _ in walk_tb(err.__traceback__) if f.f_code in method_code), None)
         lost_peer = getattr(dist, "DistError", ())  # none: torch without torch.distributed
