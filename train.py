@@ -316,10 +316,12 @@ def predictions(task, model, loader, accelerator) -> list[dict]:
 def with_ids(rows: list[dict], task, split: str) -> list[dict]:
     """Each row with its input row's id first (`--id_column`), when the task finds ids for the split's rows."""
     ids = task.prediction_ids(split)
-    if ids is None or len(ids) < len(rows):  # no ids, or not one per row: the rows as they are
+    if ids is None:
         logger.info(
             "the rows follow the %s split's order: it has no ids (--id_column %s)", split, task.config.id_column
         )
+        return rows
+    if len(ids) < len(rows):  # not one per row: the rows as they are
         return rows
     return [{task.config.id_column: id_, **row} for id_, row in zip(ids[: len(rows)], rows, strict=True)]
 

@@ -88,7 +88,7 @@ class PreemptionSignals(contextlib.AbstractContextManager):
             self.group = torch.distributed.new_group(backend="gloo")  # a CPU flag: no device sync per step
             self.pending = None  # the all-reduce in flight, of self.flag
             self.every = self.CPU_EVERY if accelerator.device.type == "cpu" else 1
-            self.calls, self.started = 0, time.perf_counter()
+            self.calls = 0  # requested()'s calls, while the first steps are timed
 
     def handle(self, *signal_and_frame):
         self.received = True

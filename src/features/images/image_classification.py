@@ -86,10 +86,11 @@ class Preprocess:
             return self.processor(image, return_tensors="pt")["pixel_values"][0]
         if self.image_size:
             image = image.resize((self.image_size, self.image_size), Image.Resampling.BILINEAR)
-        elif image.size != (first := self.size_seen or image.size):
-            sizes = " and ".join("x".join(map(str, size)) for size in (first, image.size))
+        elif self.size_seen is None:
+            self.size_seen = image.size
+        elif image.size != self.size_seen:
+            sizes = " and ".join("x".join(map(str, size)) for size in (self.size_seen, image.size))
             raise ValueError(f"the images differ in size: {sizes} ({name}); set --image_size N to resize each to N x N")
-        self.size_seen = image.size
         return torch.from_numpy(np.array(image)).permute(2, 0, 1).float().div(127.5).sub(1.0)
 
 
