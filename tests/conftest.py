@@ -244,6 +244,11 @@ def run_forked(script: Path, args: list[str], environments: list[dict], cwd: Pat
         wait([p.sentinel for p in processes if p.exitcode is None], timeout=max(0.0, deadline - time.monotonic()))
         failed = any(process.exitcode for process in processes) or time.monotonic() > deadline
     timed_out = not any(process.exitcode for process in processes) and failed
+    if timed_out:  # where each process is, into its stderr (run_as_script's faulthandler), before it is killed
+        for process in processes:
+            if process.exitcode is None:
+                os.kill(process.pid, STACKS_SIGNAL)
+        time.sleep(2)
     for process in processes:  # the others, once one failed (or the time is up)
         if process.exitcode is None:
             process.kill()
@@ -252,9 +257,25 @@ def run_forked(script: Path, args: list[str], environments: list[dict], cwd: Pat
     outputs = [[read_if_there(folder / str(i) / name) for i in range(len(processes))] for name in ("out", "err")]
     shutil.rmtree(folder)
     if timed_out:
-        raise subprocess.TimeoutExpired([str(script), *args], timeout, *("".join(o) for o in outputs))
+        raise ProcessesTimedOut([str(script), *args], timeout, *("".join(o) for o in outputs), codes=codes)
     status = next((code for code in codes if code), 0)
     return subprocess.CompletedProcess([sys.executable, str(script), *args], status, *("".join(o) for o in outputs))
+
+
+STACKS_SIGNAL = signal.SIGUSR2  # not the template's: SIGTERM and SIGUSR1 preempt a run
+
+
+class ProcessesTimedOut(subprocess.TimeoutExpired):
+    """run_forked's processes outlived its timeout; the message holds each one's exit code and the end of its stderr,
+    where its threads' stacks were written as it was stopped (a CI log shows the message, not the output)."""
+
+    def __init__(self, command, timeout, stdout, stderr, codes):
+        super().__init__(command, timeout, stdout, stderr)
+        self.codes = codes
+
+    def __str__(self):
+        ends = self.stderr[-6000:]
+        return f"{super().__str__()}; exit codes {self.codes} (-9: stopped then); their stderr ends:\n{ends}"
 
 
 def read_if_there(path: Path) -> str:
@@ -299,6 +320,7 @@ def run_as_script(script: str, args: list[str], env: dict, cwd: str, folder: str
     turns a SystemExit into the exit status, joins the threads left and flushes the streams; the script's at-exit
     functions run here, last registered first, as the interpreter runs them."""
     import atexit
+    import faulthandler
     import multiprocessing
     import runpy
     import traceback
@@ -311,6 +333,7 @@ def run_as_script(script: str, args: list[str], env: dict, cwd: str, folder: str
         os.dup2(opened, fd)
         os.close(opened)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # the server ignores it, as a pytest-xdist worker does
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)  # run_forked's timeout asks where each process is
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)

@@ -11,8 +11,12 @@ import pytest
 
 from tests.conftest import (
     QUICK,
+    REPO,
+    ProcessesTimedOut,
+    command_env,
     read_metrics,
     run_command,
+    run_forked,
     run_main,
     run_on,
     run_train,
@@ -86,3 +90,20 @@ def test_a_forked_process_ends_as_python_ends_it(tmp_path, hook, status):
         ends[name] = (result.returncode, "the at-exit function ran" in result.stdout, traceback)
     assert ends["forked"] == ends["process"], ends
     assert ends["process"] == (status, status == 1, status == 1 and "RuntimeError: a bug")
+
+
+def test_forked_processes_that_outlive_the_timeout_say_where_they_are(tmp_path):
+    """A hang in forked ranks (a collective one never joins) fails with each process's stack in the message: a CI log
+    shows the message only. The one that finished in time has its exit code."""
+    script = tmp_path / "hang.py"
+    script.write_text(
+        "import os, time\n"
+        "def waiting_for_a_peer():\n    time.sleep(60)\n"
+        "if os.environ['RANK'] == '1':\n    waiting_for_a_peer()\n"
+    )
+    environments = [command_env({"RANK": str(rank)}) for rank in range(2)]
+    with pytest.raises(ProcessesTimedOut) as stopped:
+        run_forked(script, [], environments, cwd=REPO, timeout=3)
+    assert stopped.value.codes == [0, -signal.SIGKILL]
+    message = str(stopped.value)
+    assert "timed out after 3 seconds" in message and "in waiting_for_a_peer" in message, message
