@@ -118,6 +118,7 @@ def set_up(config: TrainConfig, training: bool) -> Setup:
 def train(config: TrainConfig) -> dict:
     """Train, evaluating and checkpointing as configured; returns the final eval (and test) metrics."""
     features.installed().check(config)  # src/features/: each feature's bad input said before training, not after
+    run_dir.refuse_to_replace(config, resuming=bool(config.resume_from_checkpoint))  # before the data is read
     run = set_up(config, training=True)
     accelerator, task, model, metric, eval_loader = run.accelerator, run.task, run.model, run.metric, run.eval_loader
     accumulation = accelerator.gradient_accumulation_steps

@@ -26,18 +26,26 @@ STATE_FILE = "trainer_state.json"
 TMP_PREFIX = ".tmp_"
 
 
-def prepare_output_dir(accelerator, config: TrainConfig, resume_step: int | None) -> Path:
-    """Every process checks, then the main process writes: a refused run leaves every file as it was. A previous run
-    that never finished an optimiser step holds nothing worth keeping: it is replaced, so the same command reruns."""
+def refuse_to_replace(config: TrainConfig, resuming: bool) -> list[str]:
+    """The run files in output_dir; a fresh run that would replace a run that trained, unasked, is refused. Called
+    before the data is read too (train.py), so that a refusal does not wait for it."""
     output_dir = Path(config.output_dir)
     previous = [name for name in (*RUN_FILES, *TRACKER_FILES, config.project_name) if (output_dir / name).exists()]
-    replacing = previous and resume_step is None
     asked = config.overwrite_output_dir or config.resume_from_checkpoint == "latest" or not trained_any_step(output_dir)
-    if replacing and not asked:
+    if previous and not resuming and not asked:
         raise UsageError(
             f"{output_dir} already holds a run ({', '.join(previous)}); continue it with --resume_from_checkpoint "
             "latest, replace it with --overwrite_output_dir true, or choose another --output_dir"
         )
+    return previous
+
+
+def prepare_output_dir(accelerator, config: TrainConfig, resume_step: int | None) -> Path:
+    """Every process checks, then the main process writes: a refused run leaves every file as it was. A previous run
+    that never finished an optimiser step holds nothing worth keeping: it is replaced, so the same command reruns."""
+    output_dir = Path(config.output_dir)
+    previous = refuse_to_replace(config, resuming=resume_step is not None)
+    replacing = previous and resume_step is None
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         if replacing:  # a fresh start: nothing of the previous run's logs may mix into this one

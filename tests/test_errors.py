@@ -119,6 +119,7 @@ def finished_run(tmp_path_factory):
     "args, pattern",
     [
         ([], r"already holds a run .*--resume_from_checkpoint latest.*--overwrite_output_dir"),
+        (["--label_column", "no_such_column"], r"already holds a run"),  # said before the data is read
         (["--resume_from_checkpoint", "latest", "--norm", "none"], r"does not fit this model"),
         (["--resume_from_checkpoint", "latest", "--global_batch_size", "128"], r"global batch of 64"),
     ],
