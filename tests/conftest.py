@@ -239,11 +239,12 @@ def run_forked(script: Path, args: list[str], environments: list[dict], cwd: Pat
     ]
     for process in processes:
         process.start()
-    deadline, failed = time.monotonic() + timeout, False
+    deadline, failed, first_failure = time.monotonic() + timeout, False, 0
     while not failed and any(process.exitcode is None for process in processes):
         wait([p.sentinel for p in processes if p.exitcode is None], timeout=max(0.0, deadline - time.monotonic()))
-        failed = any(process.exitcode for process in processes) or time.monotonic() > deadline
-    timed_out = not any(process.exitcode for process in processes) and failed
+        first_failure = next((process.exitcode for process in processes if process.exitcode), 0)  # before any kill
+        failed = bool(first_failure) or time.monotonic() > deadline
+    timed_out = not first_failure and failed
     if timed_out:  # where each process is, into its stderr (run_as_script's faulthandler), before it is killed
         for process in processes:
             if process.exitcode is None:
@@ -258,8 +259,9 @@ def run_forked(script: Path, args: list[str], environments: list[dict], cwd: Pat
     shutil.rmtree(folder)
     if timed_out:
         raise ProcessesTimedOut([str(script), *args], timeout, *("".join(o) for o in outputs), codes=codes)
-    status = next((code for code in codes if code), 0)
-    return subprocess.CompletedProcess([sys.executable, str(script), *args], status, *("".join(o) for o in outputs))
+    return subprocess.CompletedProcess(
+        [sys.executable, str(script), *args], first_failure, *("".join(o) for o in outputs)
+    )
 
 
 STACKS_SIGNAL = signal.SIGUSR2  # not the template's: SIGTERM and SIGUSR1 preempt a run
