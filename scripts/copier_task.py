@@ -19,12 +19,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts.remove_feature import manifest, remove, requirements_install, with_dependents  # noqa: E402
 
+# `copier update` renders the project's old and new versions in temporary folders named so, running this task there
+UPDATE_RENDER = re.compile(r"copier\.\w+\.(old|new)_copy\.")
 RENAMED = ("pyproject.toml", "src/config.py", "README.md", "docs/config.md")  # where the template's name is
+PROJECT_VERSION = "0.1.0"  # a project's own version to start from; the template's is `_commit` in .copier-answers.yml
 
 
 def rename(root: Path, name: str, description: str) -> None:
     """The template's name -> `name` wherever it stands (the package, the tracker's project, the README's title,
-    docs/config.md's default), and pyproject.toml's description -> `description`."""
+    docs/config.md's default), pyproject.toml's description -> `description` and its version -> PROJECT_VERSION
+    (copier renders the old and new versions with this task too: the template's releases leave that line alone, so
+    a version of the project's own never conflicts with them)."""
     pyproject = (root / "pyproject.toml").read_text()
     old = re.search(r'^name = "([^"]+)"', pyproject, flags=re.M).group(1)
     for relative in RENAMED:
@@ -33,8 +38,9 @@ def rename(root: Path, name: str, description: str) -> None:
             path.write_text(path.read_text().replace(old, name))
     pyproject = (root / "pyproject.toml").read_text()
     quoted = description.replace("\\", "\\\\").replace('"', '\\"')
-    (root / "pyproject.toml").write_text(re.sub(r'^description = ".*"$', f'description = "{quoted}"', pyproject,
-                                                count=1, flags=re.M))  # fmt: skip
+    pyproject = re.sub(r'^description = ".*"$', f'description = "{quoted}"', pyproject, count=1, flags=re.M)
+    pyproject = re.sub(r'^version = ".*"$', f'version = "{PROJECT_VERSION}"', pyproject, count=1, flags=re.M)
+    (root / "pyproject.toml").write_text(pyproject)
 
 
 def say_conflicts() -> None:
@@ -57,7 +63,8 @@ def main() -> int:
     for feature in left_out:
         remove(feature, root)
     rename(root, name, description)
-    if install := requirements_install([feature for feature in manifest() if feature in kept], root):
+    install = requirements_install([feature for feature in manifest() if feature in kept], root)
+    if install and not UPDATE_RENDER.match(root.name):  # said once: not for the versions `copier update` compares
         print(f"what the kept features need (after bash scripts/setup.sh): {install}")
     return 0
 

@@ -40,6 +40,10 @@ def sh(command: str, cwd: Path, timeout: float = 600, **extra) -> subprocess.Com
     return result
 
 
+def version(root: Path) -> str:
+    return re.search(r'^version = "(.*)"', (root / "pyproject.toml").read_text(), flags=re.M).group(1)
+
+
 def tag(template: Path, version: str) -> None:
     sh(f"git add -A && git commit -qm {version} && git tag {version}", cwd=template)
 
@@ -236,6 +240,7 @@ def test_every_feature_gives_this_repository(template, tmp_path):
                        f"features=[{', '.join(CHOICES)}]")  # fmt: skip
     expected = copy_of_repo(tmp_path / "expected")
     remove("generator", expected)
+    edit(expected / "pyproject.toml", f'version = "{version(REPO)}"', 'version = "0.1.0"')  # the project's own
     assert files(project) == files(expected) | {".copier-answers.yml"}
     differing = [f for f in files(expected) if (project / f).read_bytes() != (expected / f).read_bytes()]
     assert differing == []
@@ -264,21 +269,26 @@ def test_update_merges_a_new_version_into_a_users_edits(template, tmp_path):
     train_py = project / "train.py"
     lines = train_py.read_text().splitlines(keepends=True)
     train_py.write_text("".join([*lines, "# my own note at the end\n"]))  # the user's edits
+    assert version(project) == "0.1.0"  # the project's own version, which the user raises
+    edit(project / "pyproject.toml", 'version = "0.1.0"', 'version = "1.0.0"')
     (project / "src/tasks/digits.py").write_text((project / "src/tasks/digits.py").read_text() + "# my task note\n")
     sh("git commit -qam 'my edits'", cwd=project)
 
     first = (template / "train.py").read_text().splitlines(keepends=True)[0]  # the template's change, at the top
     edit(template / "train.py", first, first + "# a template fix at the top\n")
     (template / "CHANGELOG.md").write_text((template / "CHANGELOG.md").read_text() + "\n## 0.1.1\n- a fix\n")
+    edit(template / "pyproject.toml", f'version = "{version(template)}"', 'version = "0.1.1"')  # its release
     tag(template, "v0.1.1")
-    sh(" && ".join(update), cwd=project)
+    updated = sh(" && ".join(update), cwd=project)
+    assert "conflict: " not in updated.stdout + updated.stderr and version(project) == "1.0.0"  # each keeps its own
     text = train_py.read_text()
     assert "# a template fix at the top\n" in text and text.endswith("# my own note at the end\n")
     assert (project / "src/tasks/digits.py").read_text().endswith("# my task note\n")
     assert "_commit: v0.1.1" in (project / ".copier-answers.yml").read_text()
     assert not (project / "scripts/slurm").exists() and not (project / "CHANGELOG.md").exists()  # still left out
 
-    sh(" && ".join(add), cwd=project)
+    added = sh(" && ".join(add), cwd=project)
+    assert (added.stdout + added.stderr).count(pip) == 1  # not also for each version copier compares
     assert (project / "scripts/slurm").is_dir() and (project / "docs/slurm.md").is_file()
     assert "[docs/slurm.md](docs/slurm.md)" in (project / "README.md").read_text()
     assert traces_left(project, ["images", "slurm"]) == []
