@@ -92,6 +92,7 @@ def test_a_forked_process_ends_as_python_ends_it(tmp_path, hook, status):
     assert ends["process"] == (status, status == 1, status == 1 and "RuntimeError: a bug")
 
 
+@pytest.mark.slow
 def test_forked_processes_that_outlive_the_timeout_say_where_they_are(tmp_path):
     """A hang in forked ranks (a collective one never joins) fails with each process's stack in the message: a CI log
     shows the message only. The one that finished in time has its exit code."""
