@@ -258,7 +258,7 @@ def run_forked(script: Path, args: list[str], environments: list[dict], cwd: Pat
     outputs = [[read_if_there(folder / str(i) / name) for i in range(len(processes))] for name in ("out", "err")]
     shutil.rmtree(folder)
     if timed_out:
-        raise ProcessesTimedOut([str(script), *args], timeout, *("".join(o) for o in outputs), codes=codes)
+        raise ProcessesTimedOut([str(script), *args], timeout, *("".join(o) for o in outputs), codes, outputs[1])
     return subprocess.CompletedProcess(
         [sys.executable, str(script), *args], first_failure, *("".join(o) for o in outputs)
     )
@@ -268,16 +268,17 @@ STACKS_SIGNAL = signal.SIGUSR2  # not the template's: SIGTERM and SIGUSR1 preemp
 
 
 class ProcessesTimedOut(subprocess.TimeoutExpired):
-    """run_forked's processes outlived its timeout; the message holds each one's exit code and the end of its stderr,
-    where its threads' stacks were written as it was stopped (a CI log shows the message, not the output)."""
+    """run_forked's processes outlived its timeout; the message holds each one's exit code and the end of its own
+    stderr, where its threads' stacks were written as it was stopped (a CI log shows the message, not the output)."""
 
-    def __init__(self, command, timeout, stdout, stderr, codes):
+    def __init__(self, command, timeout, stdout, stderr, codes: list, errors: list[str]):
         super().__init__(command, timeout, stdout, stderr)
-        self.codes = codes
+        self.codes, self.errors = codes, errors
 
     def __str__(self):
-        ends = self.stderr[-6000:]
-        return f"{super().__str__()}; exit codes {self.codes} (-9: stopped then); their stderr ends:\n{ends}"
+        ends = "".join(f"\n--- process {i}, exit code {code} (-9: stopped then), its stderr ends:\n{error[-3000:]}"
+                       for i, (code, error) in enumerate(zip(self.codes, self.errors, strict=True)))  # fmt: skip
+        return f"{super().__str__()}{ends}"
 
 
 def read_if_there(path: Path) -> str:

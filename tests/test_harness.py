@@ -108,3 +108,4 @@ def test_forked_processes_that_outlive_the_timeout_say_where_they_are(tmp_path):
     assert stopped.value.codes == [0, -signal.SIGKILL]
     message = str(stopped.value)
     assert "timed out after 3 seconds" in message and "in waiting_for_a_peer" in message, message
+    assert message.index("process 1, exit code -9") < message.index("in waiting_for_a_peer"), message  # its own
