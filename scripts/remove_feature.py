@@ -191,6 +191,7 @@ def check(names: list[str], tests: str) -> int:
     """Remove `names` in a copy, then run what must still work there; 0 when all of it does. `tests`: none, or the
     remaining suite's fast tier or all of it too."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # what the copy's processes import is compiled once, not by each
     options = [option for name in names for option in feature_options(name)]
     name = "+".join(names)
     with tempfile.TemporaryDirectory(prefix="without_") as folder:

@@ -19,6 +19,11 @@ from scripts.launch import free_port  # noqa: F401  (the tests take it from here
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Bytecode cached, as where PYTHONDONTWRITEBYTECODE is not set (CI's image sets it): the suite starts hundreds of
+# processes (pytest-xdist's workers start after this), and scripts/setup.sh --dev compiles nothing up front
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
+
 LAUNCHER_VARIABLES = {"WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_CPU"}
 HARNESS_VARIABLES = LAUNCHER_VARIABLES  # the tests' own: never a run's
 

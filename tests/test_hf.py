@@ -38,6 +38,7 @@ from tests.helpers import (
     language_modeling,
     lm_eval_loss,
     losses,
+    needs_package,
     padded_lm,
     padded_lm_one_process,
     predict_only,
@@ -45,7 +46,7 @@ from tests.helpers import (
     write_prompts,
 )
 
-pytest.importorskip("transformers")
+pytestmark = needs_package("transformers", "pip install -r requirements/hf.txt")
 
 
 @pytest.fixture(scope="module")

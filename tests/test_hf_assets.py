@@ -4,15 +4,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
-pytest.importorskip("transformers")
+from tests.helpers import needs_package
 
-import torch  # noqa: E402
-from transformers import (  # noqa: E402
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-)
+# transformers is imported by the tests that run, not at collection: ~1 s in every pytest run (and removal check)
+pytestmark = needs_package("transformers", "pip install -r requirements/hf.txt")
 
 TEXTS = ["x = 1", "def parse(self, text: str) -> list[str]:  # a longer line, with ünïcode and a comment"]
 LABELS = {"code", "comment", "def"}
@@ -39,6 +36,8 @@ def is_prime(n: int) -> bool:
 
 @pytest.mark.slow  # the module fixture builds both models and the data (~10 s)
 def test_models_load_and_forward_a_padded_batch(assets):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
     bert, gpt2 = assets / "tiny" / "bert", assets / "tiny" / "gpt2"
     tokenizer = AutoTokenizer.from_pretrained(bert)
     model = AutoModelForSequenceClassification.from_pretrained(bert, num_labels=3).eval()  # a fresh classifier head
@@ -59,6 +58,8 @@ def test_models_load_and_forward_a_padded_batch(assets):
 
 @pytest.mark.slow  # the module fixture builds both models and the data (~10 s)
 def test_tokenizers_pad_with_their_pad_id(assets):
+    from transformers import AutoTokenizer
+
     bert = AutoTokenizer.from_pretrained(assets / "tiny" / "bert")
     assert (bert.pad_token, bert.pad_token_id, bert.model_max_length, len(bert)) == ("[PAD]", 0, 128, 2000)
     batch = bert(TEXTS, padding=True)
@@ -79,6 +80,8 @@ def test_tokenizers_pad_with_their_pad_id(assets):
 
 @pytest.mark.slow  # the module fixture builds both models and the data (~10 s)
 def test_saved_tokenizers_split_text_as_the_trained_ones(assets):
+    from transformers import AutoTokenizer
+
     """from_pretrained rebuilds a BertTokenizer/GPT2Tokenizer's pipeline from the vocabulary: the saved folder must
     give the ids the trained tokenizer gave, and training again (another process, hash seed) the same ids too."""
     from scripts.make_tiny_model import bert_tokenizer, gpt2_tokenizer, training_texts

@@ -54,3 +54,11 @@ def test_makefile_targets_run_real_commands():
     lint = make("lint")
     ruff_summary = re.search(r"^(All checks passed!|Found \d+ errors?)", lint.stdout, flags=re.MULTILINE)
     assert ruff_summary, lint.stdout + lint.stderr
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_lint_that_fails_names_make_format(tmp_path):
+    shutil.copy(REPO / "Makefile", tmp_path)
+    (tmp_path / "messy.py").write_text("x = [1,2]\n")  # lint passes, the format check does not
+    lint = run_command(["make", "--no-print-directory", f"PY={sys.executable}", "lint"], cwd=tmp_path)
+    assert lint.returncode != 0 and lint.stderr.startswith("make format fixes most of it\n"), lint.stderr
