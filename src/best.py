@@ -1,6 +1,7 @@
 """Keep the best model (checkpointed, never rotated away) and stop early. All processes see the same gathered metrics,
 so decide alike without a collective; the counters live in the trainer state, so a resumed run continues them."""
 
+import difflib
 import logging
 
 from src.checkpoint import TrainerState
@@ -13,6 +14,17 @@ logger = logging.getLogger(__name__)
 class BestEvaluation:
     def __init__(self, config: TrainConfig, state: TrainerState):
         self.config, self.state = config, state
+        # each direction said: read off the metric's name (a loss is lower when better), it is wrong for e.g. an error
+        if config.metric_for_best_model:
+            best, other = ("highest", "lowest") if config.greater_is_better else ("lowest", "highest")
+            flip = str(not config.greater_is_better).lower()
+            logger.info("the best model: the %s %s (--greater_is_better %s keeps the %s)",
+                        best, config.metric_for_best_model, flip, other)  # fmt: skip
+        if config.early_stopping_patience:
+            better, flip = ("lower", "max") if config.early_stopping_mode == "min" else ("higher", "min")
+            logger.info("early stopping after %d evaluations without a %s %s (--early_stopping_mode %s: %s)",
+                        config.early_stopping_patience, better, config.early_stopping_metric, flip,
+                        "higher" if flip == "max" else "lower")  # fmt: skip
 
     def update(self, metrics: dict, step: int) -> tuple[bool, bool]:
         """(a new best model: checkpoint it, stop training here)."""
@@ -47,5 +59,8 @@ def improves(value: float, best: float | None, greater_is_better: bool) -> bool:
 
 def watched(metrics: dict, metric: str, flag: str) -> float:
     if metric not in metrics:
-        raise UsageError(f"{flag} {metric} is not logged; use one of {', '.join(metrics)}")
+        names = {key.removeprefix("eval/"): key for key in metrics}  # eval/ alike in all: compared without it
+        close = difflib.get_close_matches(metric.removeprefix("eval/"), names, n=1)
+        hint = f"did you mean {names[close[0]]}? " if close else ""
+        raise UsageError(f"{flag} {metric} is not logged; {hint}use one of {', '.join(metrics)}")
     return metrics[metric]

@@ -94,8 +94,8 @@ class TrainConfig:
     greater_is_better: bool | None = None  # None: false for a loss or perplexity, true otherwise
     load_best_model_at_end: bool = False  # at the end, model/ holds the best checkpoint's weights
     early_stopping_patience: int | None = None  # stop after N evaluations without improvement
-    early_stopping_metric: str = "eval/loss"  # any logged eval key
-    early_stopping_mode: Literal["min", "max"] = "min"  # whether lower or higher is better
+    early_stopping_metric: str = "eval/loss"  # any logged eval key (eval/ may be left out)
+    early_stopping_mode: Literal["min", "max"] | None = None  # None: min for a loss or perplexity, max otherwise
     metrics: list[str] | None = None  # accuracy (built in), src/evaluate_metrics/<name>, a path; None: the task's
 
     def __post_init__(self):
@@ -115,10 +115,13 @@ class TrainConfig:
             problems.append("--do_train, --do_eval and --do_predict are all false: nothing to do")
         if self.load_best_model_at_end and self.metric_for_best_model is None:
             self.metric_for_best_model = "eval/loss"  # as in transformers
-        if self.metric_for_best_model and not self.metric_for_best_model.startswith("eval/"):
-            self.metric_for_best_model = f"eval/{self.metric_for_best_model}"  # "accuracy", as transformers names it
+        if self.metric_for_best_model:  # "accuracy", as transformers names it, is eval/accuracy
+            self.metric_for_best_model = as_eval_key(self.metric_for_best_model)
         if self.metric_for_best_model and self.greater_is_better is None:
-            self.greater_is_better = not self.metric_for_best_model.endswith(("loss", "perplexity"))
+            self.greater_is_better = not lower_is_better(self.metric_for_best_model)
+        self.early_stopping_metric = as_eval_key(self.early_stopping_metric)
+        if self.early_stopping_mode is None:
+            self.early_stopping_mode = "min" if lower_is_better(self.early_stopping_metric) else "max"
         needs_eval = [name for name in NEEDS_EVAL if getattr(self, name)]
         if needs_eval and self.do_train and not self.do_eval:  # eval-only may reuse a best-model run's config.yaml
             problems.append(f"--{needs_eval[0]} needs evaluations during training: set --do_eval true")
@@ -130,6 +133,15 @@ class TrainConfig:
         values = dataclasses.asdict(self)
         run = {k: v for k, v in values.items() if k not in ("task_args", "feature_args")}
         return {**run, **values["feature_args"], **values["task_args"]}
+
+
+def as_eval_key(metric: str) -> str:
+    return metric if metric.startswith("eval/") else f"eval/{metric}"
+
+
+def lower_is_better(metric: str) -> bool:
+    """What a metric's name says, as transformers reads it: a loss or perplexity is lower when better."""
+    return metric.endswith(("loss", "perplexity"))
 
 
 def normalize_report_to(value: str | list[str]) -> list[str]:

@@ -217,4 +217,5 @@ def check_complete(split, columns: list[str], name: str) -> None:
 
 
 def missing_values(column: str, count: int, split: str) -> UsageError:
-    return UsageError(f"column {column!r} has {count} missing values in the {split} split; fill them or drop the rows")
+    values = "a missing value" if count == 1 else f"{count} missing values"
+    return UsageError(f"column {column!r} has {values} in the {split} split; fill them or drop the rows")

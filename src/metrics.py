@@ -1,5 +1,6 @@
 """Evaluation metrics, computed by every process on the same gathered predictions: no "4 accuracies on 4 GPUs"."""
 
+import contextlib
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -7,7 +8,7 @@ from typing import Protocol
 
 import numpy as np
 
-from src.errors import TaskFailed, UsageError
+from src.errors import TaskFailed, UsageError, one_line
 from src.imports import hidden
 
 LOCAL_METRICS = Path(__file__).parent / "evaluate_metrics"
@@ -74,5 +75,39 @@ def load_metrics(names: list[str]) -> Metric | None:
         # a fresh id per load: no process waits on another's cache lock (keep_in_memory=True fails on Python 3.12.3)
         experiment = uuid.uuid4().hex
         paths = [str(LOCAL_METRICS / name) if (LOCAL_METRICS / name).is_dir() else name for name in others]
-        metrics.append(evaluate.combine([evaluate.load(path, experiment_id=experiment) for path in paths]))
+        metrics.append(Named(", ".join(others), evaluate.combine([load(evaluate, p, experiment) for p in paths])))
     return metrics[0] if len(metrics) == 1 else Metrics(metrics)
+
+
+def load(evaluate, path: str, experiment: str):
+    try:
+        return evaluate.load(path, experiment_id=experiment)
+    except FileNotFoundError as err:  # neither built in, nor a folder with a metric script, nor (online) on the Hub
+        raise UsageError(
+            f"no metric {path!r} (--metrics, or the task's `metrics`): {one_line(err)}; use accuracy, a folder "
+            "holding <name>.py (docs/customize.md), or an `evaluate` metric on the Hub"
+        ) from err
+
+
+class Named:
+    """An `evaluate` metric whose errors (its own code's, or the predictions' types) name it: one line, exit 70."""
+
+    def __init__(self, name: str, metric):
+        self.name, self.metric = name, metric
+
+    def add_batch(self, *, predictions, references) -> None:
+        with self.failing("add_batch"):
+            self.metric.add_batch(predictions=predictions, references=references)
+
+    def compute(self) -> dict:
+        with self.failing("compute"):
+            return self.metric.compute()
+
+    @contextlib.contextmanager
+    def failing(self, method: str):
+        try:
+            yield
+        except Exception as err:
+            raise TaskFailed(
+                f"the metric {self.name} failed in {method}(): {type(err).__name__}: {one_line(err)}"
+            ) from err

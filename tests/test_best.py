@@ -34,3 +34,30 @@ def test_an_unlogged_metric_names_the_flag_and_the_logged_ones():
     config = TrainConfig(early_stopping_patience=1, early_stopping_metric="eval/f1")
     with pytest.raises(UsageError, match="--early_stopping_metric eval/f1 is not logged; use one of eval/loss"):
         BestEvaluation(config, TrainerState()).update({"eval/loss": 1.0}, 1)
+    config = TrainConfig(metric_for_best_model="mea")
+    with pytest.raises(
+        UsageError, match="eval/mea is not logged; did you mean eval/mae\\? use one of eval/loss, eval/mae"
+    ):
+        BestEvaluation(config, TrainerState()).update({"eval/loss": 1.0, "eval/mae": 0.5}, 1)
+
+
+@pytest.mark.parametrize(
+    ("metric", "mode", "keeps"),
+    [
+        ("loss", "min", "lowest"),
+        ("eval/perplexity", "min", "lowest"),
+        ("accuracy", "max", "highest"),
+        ("mae", "max", "highest"),
+    ],
+)
+def test_both_flags_name_a_metric_alike_and_read_its_direction_alike(metric, mode, keeps, caplog):
+    """`accuracy` is eval/accuracy for early stopping too; a metric's direction is read off its name for both (a loss
+    or perplexity: lower is better), and the log says which way each keeps, so an error metric read wrongly shows."""
+    config = TrainConfig(metric_for_best_model=metric, early_stopping_patience=2, early_stopping_metric=metric)
+    assert config.early_stopping_metric == config.metric_for_best_model == f"eval/{metric.removeprefix('eval/')}"
+    assert config.early_stopping_mode == mode and config.greater_is_better == (mode == "max")
+    with caplog.at_level("INFO", logger="src.best"):
+        BestEvaluation(config, TrainerState())
+    assert f"the best model: the {keeps} {config.metric_for_best_model} (--greater_is_better" in caplog.text
+    better = "lower" if mode == "min" else "higher"
+    assert f"early stopping after 2 evaluations without a {better} {config.early_stopping_metric}" in caplog.text

@@ -107,8 +107,8 @@ def test_only_the_columns_asked_for_are_read(tmp_path):
     "values, message, missing_as_nan",
     [
         (["a", "b"], "column 'x' of the train split holds string, not numbers; choose a numeric column, or", True),
-        ([1, None], "column 'x' has 1 missing values in the train split; fill them or drop the rows", True),
-        ([1.0, None], "column 'x' has 1 missing values in the train split", False),  # the default: no silent NaN
+        ([1, None], "column 'x' has a missing value in the train split; fill them or drop the rows", True),
+        ([1.0, None], "column 'x' has a missing value in the train split", False),  # the default: no silent NaN
         ([[1], [1, 2]], "column 'x' of the train split holds lists of different lengths", True),
         ([[[1], [2]], [[1, 2]]], "column 'x' of the train split holds lists of different lengths", True),
     ],

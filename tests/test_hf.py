@@ -268,7 +268,7 @@ def test_a_missing_text_or_label_is_one_line(assets, tmp_path, blank):
     (tmp_path / "train.csv").write_text(rows + ("fine,\n" if blank == "label" else ",pos\n"))
     files = f"{{train: {tmp_path / 'train.csv'}, eval: {tmp_path / 'eval.csv'}}}"
     flags = ["--task", "text_classification", "--model_name_or_path", assets["bert"], "--data_files", files]
-    with pytest.raises(UsageError, match=rf"^column '{blank}' has 1 missing values in the train split; fill them"):
+    with pytest.raises(UsageError, match=rf"^column '{blank}' has a missing value in the train split; fill them"):
         build_task(parse_config(flags)).build_datasets()
 
 

@@ -292,7 +292,7 @@ def test_a_missing_image_path_is_one_line(docs, tmp_path):
     (tmp_path / "train.csv").write_text(rows + ",3\n")
     out, files = tmp_path / "run", f"{{train: {tmp_path / 'train.csv'}, eval: {tmp_path / 'eval.csv'}}}"
     result = run_main("--task", "image_classification", "--data_files", files, "--output_dir", str(out))
-    assert_error_line(result, r"column 'image' has 1 missing values in the train split; fill them or drop the rows")
+    assert_error_line(result, r"column 'image' has a missing value in the train split; fill them or drop the rows")
     assert not out.exists()
 
 

@@ -59,6 +59,23 @@ def test_accuracy_counts_each_element_and_refuses_shapes_that_differ():
             metric.add_batch(predictions=np.array([1, 2]), references=references)
 
 
+def test_a_metric_that_is_not_found_or_fails_is_one_line(tmp_path):
+    """A misspelt name (offline: not on the Hub either) is bad input; an `evaluate` module's own code failing names
+    the metric, as a task method's error names the method."""
+    with pytest.raises(
+        UsageError, match=r"^no metric 'acuracy' \(--metrics, or the task's `metrics`\): .*; use accuracy"
+    ):
+        load_metrics(["acuracy"])
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "broken.py").write_text(ERROR_RATE.replace("/ len(references)", "/ 0"))
+    metric = load_metrics([str(tmp_path / "broken")])
+    metric.add_batch(predictions=np.array([1, 2]), references=np.array([1, 0]))
+    with pytest.raises(TaskFailed, match=r"^the metric .*broken failed in compute\(\): ZeroDivisionError: division by"):
+        metric.compute()
+    with pytest.raises(TaskFailed, match=r"^the metric .*broken failed in add_batch\(\): "):
+        metric.add_batch(predictions=np.array(["a"]), references=np.array([1]))
+
+
 def test_two_metrics_of_one_name_are_refused():
     with pytest.raises(UsageError, match=r"--metrics names a metric twice \(accuracy, accuracy\); name each once"):
         load_metrics(["accuracy", "accuracy"])

@@ -101,6 +101,10 @@ def test_task_names_resolve_to_classes(task_module, toy):
         task_class("digts")
     with pytest.raises(UsageError, match="has no Task subclass 'Third'"):
         task_class(f"{module}.Third")
+    needs = task_module("needs_a_package", "import no_such_package  # noqa: F401\n" + TOY_TASK)
+    for name in (needs, f"{needs}.Toy"):  # the module, or its class: the package it lacks named, in one line
+        with pytest.raises(UsageError, match=rf"^--task {re.escape(name)}: No module named 'no_such_package', which"):
+            task_class(name)
     assert [task_name(n) for n in ("digits", "my_pkg.my_task", "my_pkg.my_task.MyTask")] == [
         "digits",
         "my_task",

@@ -56,12 +56,16 @@ def did_you_mean(name: str) -> str:
 
 
 def import_module(path: str):
-    """The module, or None if `path` itself does not exist (an error inside an existing module propagates)."""
+    """The module, or None if `path` itself does not exist (an error inside an existing module propagates, but a
+    package it imports that is not installed is one line)."""
     try:
         return importlib.import_module(path) if path else None
     except ModuleNotFoundError as err:
-        if not (err.name and (path + ".").startswith(err.name + ".")):  # not `path` or a package above it
+        if not err.name:
             raise
+        if not (path + ".").startswith(err.name + "."):  # neither `path` nor a package above it: what it imports
+            message = f"--task {path}: {one_line(err)}, which its module imports; pip install it, or fix the import"
+            raise UsageError(message) from err
     return None
 
 
