@@ -8,6 +8,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -26,9 +27,23 @@ def watch_launcher() -> None:
     stops the rank soon after its parent changes (docs/resume.md). Polling: PR_SET_PDEATHSIG is Linux-only, fires when
     the *thread* that forked the rank exits, and races with a parent that died first."""
     if not _launcher and "TORCHELASTIC_RUN_ID" in os.environ and "WORLD_SIZE" in os.environ:
-        _launcher.append(os.getppid())
+        parent = os.getppid()
+        _launcher.append(parent if runs_python(parent) else GONE_BEFORE_WATCHED)
         threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
         atexit.register(exit_now_if_launcher_gone)
+
+
+GONE_BEFORE_WATCHED = 0  # no process's pid: the launcher died while this rank started (e.g. importing torch)
+
+
+def runs_python(pid: int) -> bool:
+    """Whether process `pid` runs Python, as every launcher of a torch elastic rank does; a rank whose parent does not
+    was handed to init (or a subreaper) by a launcher that died before it was watched. True where it can't be told."""
+    try:  # its program (a launcher script's interpreter: the kernel puts it first); /proc/PID/exe may be unreadable
+        program = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+    except OSError:  # no /proc (macOS)
+        return True
+    return b"python" in os.path.basename(program)
 
 
 def exit_now_if_launcher_gone() -> None:
@@ -49,9 +64,10 @@ def launcher_gone() -> bool:
     with _noticing:
         if not _launcher_gone.is_set():
             then = f"saving a checkpoint, then stopping (at most {GRACE_S:g} s)" if _launcher_listeners else "stopping"
+            launcher = "the launcher" if _launcher[0] == GONE_BEFORE_WATCHED else f"the launcher (pid {_launcher[0]})"
             if is_main_process():
                 with contextlib.suppress(OSError):  # the launcher's pipe may be gone with it
-                    say(f"the launcher (pid {_launcher[0]}) exited: {then}")
+                    say(f"{launcher} exited: {then}")
             _launcher_gone.set()  # said first: from here on, an exit is immediate (exit_now_if_launcher_gone)
     return True
 

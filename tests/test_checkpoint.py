@@ -18,6 +18,7 @@ from tests.conftest import (
     launch_command,
     read_metrics,
     run_main,
+    run_snippet,
     run_with_hook,
     series,
     signal_at,
@@ -204,6 +205,38 @@ def test_a_killed_launcher_takes_its_processes_along_through_a_preemption_checkp
     assert state["preempted"] is True and state["step"] >= 4
     assert not (out / "model").exists() and not (out / "eval_results.json").exists()
     assert max(row["step"] for row in read_metrics(out)) == state["step"]  # no step trained after it
+
+
+RANK_STARTING = """
+import os, sys, time
+while os.getppid() == int(sys.argv[1]):  # still importing torch & co. when its launcher is killed
+    time.sleep(0.05)
+from src.preemption import watch_launcher
+watch_launcher()  # where build_accelerator calls it, before the rendezvous that would never come
+time.sleep(120)
+"""
+LAUNCHER_KILLED = """
+import os, subprocess, sys
+rank = subprocess.Popen([sys.executable, "-c", sys.argv[1], str(os.getpid())], stdout=subprocess.DEVNULL,
+                        stderr=open(sys.argv[2], "w"))
+print(rank.pid, flush=True)
+os._exit(0)  # as a SIGKILL ends it: nothing cleaned up, the rank not waited for
+"""
+
+
+def test_a_rank_whose_launcher_died_before_it_watched_it_stops(tmp_path):
+    """A launcher killed while its ranks still start leaves them to init (PID 1, or a subreaper), which runs no Python
+    launcher: the rank stops at once, not once its rendezvous timed out or after joining the next launch's."""
+    environment = {"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "2", "RANK": "0"}
+    launched = run_snippet(LAUNCHER_KILLED, RANK_STARTING, str(tmp_path / "stderr"), env=environment)
+    rank = int(launched.stdout)
+    deadline = time.monotonic() + 60
+    while alive(rank) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if left := alive(rank):
+        os.kill(rank, signal.SIGKILL)
+    assert not left, "the rank outlived its launcher by 60 s"
+    assert (tmp_path / "stderr").read_text().strip().endswith("the launcher exited: stopping")
 
 
 @pytest.mark.slow
