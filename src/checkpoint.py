@@ -111,24 +111,27 @@ def save_checkpoint(accelerator, config: TrainConfig, state: TrainerState, expor
     `export(dir)` also writes the task's model/; a failed write on any process stops all, older checkpoints intact."""
     final = checkpoint_dir(config.output_dir, state.step)
     partial = final.with_name(TMP_PREFIX + final.name)
-    if accelerator.is_main_process:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    accelerator.wait_for_everyone()
     failure = None
-    try:
-        accelerator.save_state(str(partial))
-        if export is not None:
-            export(partial / MODEL_DIR)
-        if accelerator.is_main_process:
-            (partial / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
-            save_config(config, partial / CONFIG_FILE)
-    except OSError as err:
-        failure = err
+    if accelerator.is_main_process:
+        try:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+        except OSError as err:  # e.g. checkpoints/ no longer writable
+            failure = err
+    if all_processes_agree(accelerator, failure is None):  # (a collective: the folder exists for every process)
+        try:
+            accelerator.save_state(str(partial))
+            if export is not None:
+                export(partial / MODEL_DIR)
+            if accelerator.is_main_process:
+                (partial / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
+                save_config(config, partial / CONFIG_FILE)
+        except Exception as err:  # a full disk is OSError from Python, RuntimeError from torch.save, safetensors' own
+            failure = err
     if not all_processes_agree(accelerator, failure is None):
         if accelerator.is_main_process:
             shutil.rmtree(partial, ignore_errors=True)
-        reason = f"{type(failure).__name__}: {failure}" if failure else "failed on another process"
+        reason = f"{type(failure).__name__}: {one_line(failure)[:300]}" if failure else "failed on another process"
         raise CheckpointWriteFailed(
             f"could not write checkpoint {final} ({reason}); the previous checkpoints are intact. "
             "Free disk space (or lower --save_total_limit) and resume with --resume_from_checkpoint latest"

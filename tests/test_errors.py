@@ -5,6 +5,7 @@ import errno
 import math
 import os
 import re
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ from tests.conftest import (
     read_metrics,
     run_command,
     run_main,
+    run_train,
     run_with_hook,
     signal_at,
     torchrun_variables,
@@ -196,6 +198,39 @@ def test_disk_full_during_checkpoint_keeps_the_previous_one(tmp_path, monkeypatc
         result, r"could not write checkpoint .*step_20 \(OSError: .*No space left on device\)", EXIT_WRITE_FAILED
     )
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_10"]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_folder_that_cannot_be_made_stops_the_run_in_one_line(tmp_path, monkeypatch):
+    """checkpoints/ no longer writable (made before the processes agree that they saved: outside it, a traceback)."""
+    out, mkdir = tmp_path / "run", Path.mkdir
+
+    def refuse_step_4(self, *args, **kwargs):
+        if self.name == ".tmp_step_4":
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", refuse_step_4)
+    result = run_main(*QUICK, "--save_steps", "2", "--output_dir", str(out))
+    assert_error_line(
+        result, r"could not write checkpoint .*step_4 \(PermissionError: .*Permission denied", EXIT_WRITE_FAILED
+    )
+    assert [path.name for path in (out / "checkpoints").iterdir()] == ["step_2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("limit", "raised"), [(150_000, "SafetensorError"), (300_000, "RuntimeError")])
+def test_a_checkpoint_that_cannot_be_written_stops_the_run_in_one_line(tmp_path, limit, raised):
+    """A real failed write: a file-size limit stands in for a full disk, where safetensors (the model's 227 KB) and
+    torch.save (the optimizer's 462 KB) raise their own errors, not OSError. Exit 74, nothing half-written left."""
+    out = tmp_path / "run"
+
+    def limit_file_size():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))  # Python ignores SIGXFSZ: the write fails
+
+    result = run_train(*QUICK, "--save_steps", "2", "--output_dir", str(out), preexec_fn=limit_file_size)
+    assert_error_line(result, rf"could not write checkpoint .*step_2 \({raised}: ", EXIT_WRITE_FAILED)
+    assert list((out / "checkpoints").iterdir()) == []
 
 
 @pytest.mark.slow
