@@ -30,6 +30,7 @@ def refuse_to_replace(config: TrainConfig, resuming: bool) -> list[str]:
     """The run files in output_dir; a fresh run that would replace a run that trained, unasked, is refused. Called
     before the data is read too (train.py), so that a refusal does not wait for it."""
     output_dir = Path(config.output_dir)
+    check_writable(output_dir)
     previous = [name for name in (*RUN_FILES, *TRACKER_FILES, config.project_name) if (output_dir / name).exists()]
     asked = config.overwrite_output_dir or config.resume_from_checkpoint == "latest" or not trained_any_step(output_dir)
     if previous and not resuming and not asked:
@@ -38,6 +39,17 @@ def refuse_to_replace(config: TrainConfig, resuming: bool) -> list[str]:
             "latest, replace it with --overwrite_output_dir true, or choose another --output_dir"
         )
     return previous
+
+
+def check_writable(output_dir: Path) -> None:
+    """--output_dir is a folder this process may write in, or may make: one line now, not a traceback at a write."""
+    existing = next(path for path in (output_dir, *output_dir.parents) if path.exists())  # at worst . or /
+    if not existing.is_dir():
+        raise UsageError(f"--output_dir {output_dir}: {existing} is a file, not a folder; choose another --output_dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(
+            f"--output_dir {output_dir}: {existing} is not writable; choose another --output_dir or make it writable"
+        )
 
 
 def prepare_output_dir(accelerator, config: TrainConfig, resume_step: int | None) -> Path:
@@ -53,8 +65,13 @@ def prepare_output_dir(accelerator, config: TrainConfig, resume_step: int | None
             for path in (output_dir / name for name in previous):
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
         elif (metrics := output_dir / METRICS_FILE).exists():  # a resumed run logs the steps after its checkpoint again
-            lines = metrics.read_text().splitlines(keepends=True)
-            metrics.write_text("".join(line for line in lines if json.loads(line)["step"] <= (resume_step or 0)))
+            steps = [(line, logged_step(line)) for line in metrics.read_text().splitlines(keepends=True)]
+            if cut := sum(step is None for _, step in steps):
+                logger.warning("dropping %d line(s) of %s that a kill or full disk cut short", cut, metrics)
+            kept = [line for line, step in steps if step is not None and step <= (resume_step or 0)]
+            partial = metrics.with_name(TMP_PREFIX + metrics.name)  # the log whole or as it was, even if killed here
+            partial.write_text("".join(kept))
+            os.replace(partial, metrics)
         for path in sorted((output_dir / CHECKPOINTS_DIR).glob(f"{TMP_PREFIX}*")):
             logger.warning("removing %s: an incomplete checkpoint (or upload snapshot) from an interrupted write", path)
             shutil.rmtree(path, ignore_errors=True)
@@ -62,6 +79,14 @@ def prepare_output_dir(accelerator, config: TrainConfig, resume_step: int | None
         save_config(config, output_dir / CONFIG_FILE)
     accelerator.wait_for_everyone()
     return output_dir
+
+
+def logged_step(line: str) -> int | None:
+    """The step of a metrics.jsonl line; None for a line cut short."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def trained_any_step(output_dir: Path) -> bool:

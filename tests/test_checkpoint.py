@@ -74,7 +74,8 @@ src.checkpoint.os.replace = replace_or_die
 @pytest.mark.slow
 def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(preempted_then_killed, uninterrupted):
     """22 steps per epoch: killed while it renames its step-30 checkpoint into place (mid-epoch 1), the run resumes
-    from step_20, in the middle of epoch 0, after removing the unrenamed folder; the per-step losses and eval metrics
+    from step_20, in the middle of epoch 0, after removing the unrenamed folder (and metrics.jsonl's line cut short,
+    which would stop it); the per-step losses and eval metrics
     (of all three starts: the first one preempted at step 5) are those of the uninterrupted run through the
     DataLoader, bit for bit. (2 processes: the test below.)"""
     out, args, _, (killed, left) = preempted_then_killed
@@ -82,11 +83,14 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(preempted_then_kill
     assert "resuming from" in killed.stdout + killed.stderr  # from the preemption checkpoint
     assert left["checkpoints"] == [".tmp_step_30", "step_10", "step_20"]  # 30: not renamed
     assert left["complete"]  # fully written
+    with open(out / "metrics.jsonl", "a") as metrics:
+        metrics.write('{"step": 31, "train/lo')  # and a line cut short, as a kill or a full disk leaves it
 
     resumed = run_main(*args)
     assert_ok(resumed)
     logs = resumed.stdout + resumed.stderr
     assert "removing" in logs and "incomplete checkpoint" in logs and "at step 20" in logs and "resuming from" in logs
+    assert "dropping 1 line(s) of" in logs and "metrics.jsonl that a kill or full disk cut short" in logs
     assert_processes(out, 1)  # all three starts
     losses, accuracy = train_losses(out)
     expected_losses, expected_accuracy = uninterrupted[1]

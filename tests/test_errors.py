@@ -133,6 +133,20 @@ def test_existing_run_is_left_untouched(finished_run, args, pattern):
     assert snapshot(finished_run) == before
 
 
+def test_an_output_dir_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
+    """A file where the folder would be (or above it), a folder this process may not write: said before anything is
+    read or written, not as a traceback at the first write (on 2 processes: one per process and the launcher's)."""
+    (tmp_path / "file").write_text("mine\n")
+    for output_dir in (tmp_path / "file", tmp_path / "file" / "run"):
+        result = run_main(*QUICK, "--output_dir", str(output_dir))
+        assert_error_line(result, rf"--output_dir {output_dir}: {tmp_path / 'file'} is a file, not a folder; choose")
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != tmp_path and access(path, mode))  # as non-root
+    result = run_main(*QUICK, "--output_dir", str(tmp_path / "new" / "run"))
+    assert_error_line(result, rf"--output_dir .*/new/run: {tmp_path} is not writable; choose another --output_dir or")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["file"] and (tmp_path / "file").read_text() == "mine\n"
+
+
 @pytest.mark.slow
 def test_corrupt_checkpoint(finished_run, tmp_path):
     checkpoint = tmp_path / "step_3"
