@@ -110,6 +110,7 @@ def launch(args: list[str]) -> int:
     exit code of a process (its one line said why) ends the launch with it, and the launcher's lines about the
     other processes it then stopped are left out."""
     from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from src.errors import DOCUMENTED_EXIT_CODES
@@ -129,6 +130,8 @@ def launch(args: list[str]) -> int:
         if code in DOCUMENTED_EXIT_CODES:
             return code
         raise
+    except SignalException as err:  # Ctrl-C or SIGTERM to the launcher: passed on, its processes said what they did
+        return 128 + int(err.sigval)  # what a shell reports for a process the signal ended (130: Ctrl-C)
     return 0
 
 

@@ -103,8 +103,9 @@ def command_line(fn):
                 say(line)
             let_threads_settle()
             sys.exit(err.exit_code)
-        except KeyboardInterrupt:
-            say("interrupted (Ctrl-C): stopped without saving")
+        except KeyboardInterrupt:  # Ctrl-C reaches every process of a launch: said by one
+            if first_to_say(line := "interrupted (Ctrl-C): stopped without saving"):
+                say(line)
             let_threads_settle()
             sys.exit(EXIT_INTERRUPTED)
 

@@ -6,8 +6,10 @@ import math
 import os
 import re
 import resource
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import accelerate
@@ -368,6 +370,29 @@ def test_more_processes_than_cores_warn_and_an_error_they_all_find_is_said_once(
     else:  # what README and docs/errors.md say of accelerate launch: the line first, then its report and exit 1
         assert result.stderr.index(errors[0]) < result.stderr.index("ChildFailedError") and result.returncode == 1
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_a_launch_of_2_processes_is_one_line_and_exit_130(tmp_path):
+    """A terminal's Ctrl-C reaches the launcher (its processes are each in a session of their own), which passes it on:
+    through scripts/launch.py, one line for both processes and exit 130, no traceback (`accelerate launch` ends with
+    torch elastic's SignalException: docs/errors.md)."""
+    out = tmp_path / "run"
+    launch = launch_command(2)
+    launch[1:3] = ["scripts/launch.py"]
+    args = ["--max_steps", "100000", "--logging_steps", "1", "--save_steps", "0", "--output_dir", str(out)]
+    with open(tmp_path / "stderr", "w+") as stderr:
+        launcher = subprocess.Popen([*launch, *args], cwd=REPO, env=command_env(), stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=stderr)  # fmt: skip
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").is_file() or len(read_metrics(out)) < 3:  # training
+            assert launcher.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()
+            time.sleep(0.2)
+        launcher.send_signal(signal.SIGINT)
+        code = launcher.wait(timeout=120)
+    console = (tmp_path / "stderr").read_text()
+    assert code == EXIT_INTERRUPTED, console
+    assert console.count("interrupted (Ctrl-C): stopped without saving") == 1 and "Traceback" not in console, console
 
 
 def test_the_error_line_is_one_write(monkeypatch):
