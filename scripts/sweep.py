@@ -328,10 +328,7 @@ def objective(trial, space: Space, accelerate_config, train_args: list[str], out
         print(f"trial {trial.number}: failed, exit code {process.returncode}: {reason}", flush=True)
         raise TrialFailed(f"exit code {process.returncode}: {reason}")
     if values.last is None:
-        raise UsageError(
-            f"{space.metric} is never logged in {values.path}; set `metric:` in {space.path} "
-            f"to an eval key it holds (e.g. eval/loss)"
-        )
+        raise never_logged(values, space.path)
     print(f"trial {trial.number}: {space.metric} {values.last:.4g} ({seconds:.0f} s)", flush=True)
     return values.last
 
@@ -346,11 +343,23 @@ def suggest(trial, name: str, dist):
     return trial.suggest_float(name, dist.low, dist.high, step=dist.step, log=dist.log)
 
 
+def never_logged(values: "MetricValues", space_path: Path) -> UsageError:
+    """The sweep's metric is not in a finished trial's metrics.jsonl: the error names the eval keys that are."""
+    logged = {key.removeprefix("eval/"): key for key in values.keys if key.startswith("eval/")}
+    close = difflib.get_close_matches(values.key.removeprefix("eval/"), logged, n=1)
+    hint = f"did you mean {logged[close[0]]}? " if close else ""
+    return UsageError(
+        f"{values.key} is never logged in {values.path}; {hint}set `metric:` in {space_path} to an eval key it holds "
+        f"({', '.join(sorted(logged.values())) or 'eval/loss'})"
+    )
+
+
 class MetricValues:
     """The (step, value) pairs of one key that train.py has appended to metrics.jsonl since the last call."""
 
     def __init__(self, path: Path, key: str):
         self.path, self.key, self.offset, self.last = path, key, 0, None
+        self.keys: set[str] = set()  # every key logged so far
 
     def new(self) -> list[tuple[int, float]]:
         if not self.path.is_file():
@@ -361,6 +370,7 @@ class MetricValues:
         complete = data[: data.rfind(b"\n") + 1]  # a line being written waits for the next call
         self.offset += len(complete)
         rows = [json.loads(line) for line in complete.splitlines() if line.strip()]
+        self.keys.update(key for row in rows for key in row)
         pairs = [(row["step"], float(row[self.key])) for row in rows if self.key in row]
         self.last = pairs[-1][1] if pairs else self.last
         return pairs

@@ -221,3 +221,16 @@ def test_readme_sweep_command_runs_as_written(command, tmp_path):
 
 def test_every_command_of_the_page_is_run():
     assert_bash_blocks_run("docs/sweeps.md")
+
+
+def test_a_metric_no_trial_logs_names_the_eval_keys_that_are(tmp_path):
+    """A misspelt `metric:` is found once the first trial ends: the error suggests the close key and lists the rest."""
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 0, "setup/world_size": 1}\n{"step": 4, "eval/loss": 0.5, "eval/mae": 0.3}\n')
+    values = sweep.MetricValues(metrics, "eval/mea")
+    assert values.new() == [] and values.last is None
+    error = sweep.never_logged(values, tmp_path / "sweep.yaml")
+    assert str(error) == (
+        f"eval/mea is never logged in {metrics}; did you mean eval/mae? set `metric:` in {tmp_path / 'sweep.yaml'} to "
+        "an eval key it holds (eval/loss, eval/mae)"
+    )
