@@ -108,6 +108,5 @@ class Named:
         try:
             yield
         except Exception as err:
-            raise TaskFailed(
-                f"the metric {self.name} failed in {method}(): {type(err).__name__}: {one_line(err)}"
-            ) from err
+            what = f"{type(err).__name__}: {one_line(err)[:400]}"
+            raise TaskFailed(f"the metric {self.name} failed in {method}(): {what}") from err

@@ -24,8 +24,9 @@ _noticing = threading.Lock()
 
 def watch_launcher() -> None:
     """Once, in a torch elastic rank (in a session of its own: a SIGKILLed launcher takes none along): a thread that
-    stops the rank soon after its parent changes (docs/resume.md). Polling: PR_SET_PDEATHSIG is Linux-only, fires when
-    the *thread* that forked the rank exits, and races with a parent that died first."""
+    stops the rank soon after its parent changes, or at once if its parent is no launcher already (docs/resume.md).
+    Polling: PR_SET_PDEATHSIG is Linux-only, fires when the *thread* that forked the rank exits, and races with a
+    parent that died first."""
     if not _launcher and "TORCHELASTIC_RUN_ID" in os.environ and "WORLD_SIZE" in os.environ:
         parent = os.getppid()
         _launcher.append(parent if runs_python(parent) else GONE_BEFORE_WATCHED)
