@@ -250,6 +250,8 @@ def run_forked(script: Path, args: list[str], environments: list[dict], cwd: Pat
         first_failure = next((process.exitcode for process in processes if process.exitcode), 0)  # before any kill
         failed = bool(first_failure) or time.monotonic() > deadline
     timed_out = not first_failure and failed
+    # beside `exitcode`, which the fork server reports: ended with no stacks written, only the report was late
+    running = [running_at(process.pid) for process in processes] if timed_out else []
     if timed_out:  # where each process is, into its stderr (run_as_script's faulthandler), before it is killed
         for process in processes:
             if process.exitcode is None:
@@ -263,7 +265,9 @@ def run_forked(script: Path, args: list[str], environments: list[dict], cwd: Pat
     outputs = [[read_if_there(folder / str(i) / name) for i in range(len(processes))] for name in ("out", "err")]
     shutil.rmtree(folder)
     if timed_out:
-        raise ProcessesTimedOut([str(script), *args], timeout, *("".join(o) for o in outputs), codes, outputs[1])
+        raise ProcessesTimedOut(
+            [str(script), *args], timeout, *("".join(o) for o in outputs), codes, outputs[1], running
+        )
     return subprocess.CompletedProcess(
         [sys.executable, str(script), *args], first_failure, *("".join(o) for o in outputs)
     )
@@ -272,17 +276,30 @@ def run_forked(script: Path, args: list[str], environments: list[dict], cwd: Pat
 STACKS_SIGNAL = signal.SIGUSR2  # not the template's: SIGTERM and SIGUSR1 preempt a run
 
 
+def running_at(pid: int) -> bool:
+    """Whether process `pid` still runs (not ended, nor a zombie waiting to be reaped)."""
+    import psutil  # accelerate's own dependency
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 class ProcessesTimedOut(subprocess.TimeoutExpired):
     """run_forked's processes outlived its timeout; the message holds each one's exit code and the end of its own
     stderr, where its threads' stacks were written as it was stopped (a CI log shows the message, not the output)."""
 
-    def __init__(self, command, timeout, stdout, stderr, codes: list, errors: list[str]):
+    def __init__(self, command, timeout, stdout, stderr, codes: list, errors: list[str], running: list[bool]):
         super().__init__(command, timeout, stdout, stderr)
-        self.codes, self.errors = codes, errors
+        self.codes, self.errors, self.running = codes, errors, running
 
     def __str__(self):
-        ends = "".join(f"\n--- process {i}, exit code {code} (-9: stopped then), its stderr ends:\n{error[-3000:]}"
-                       for i, (code, error) in enumerate(zip(self.codes, self.errors, strict=True)))  # fmt: skip
+        ends = "".join(
+            f"\n--- process {i}, exit code {code} (-9: stopped then), running at the timeout: {running}, its stderr "
+            f"ends:\n{error[-3000:]}"
+            for i, (code, error, running) in enumerate(zip(self.codes, self.errors, self.running, strict=True))
+        )
         return f"{super().__str__()}{ends}"
 
 

@@ -105,7 +105,7 @@ def test_forked_processes_that_outlive_the_timeout_say_where_they_are(tmp_path):
     environments = [command_env({"RANK": str(rank)}) for rank in range(2)]
     with pytest.raises(ProcessesTimedOut) as stopped:
         run_forked(script, [], environments, cwd=REPO, timeout=3)
-    assert stopped.value.codes == [0, -signal.SIGKILL]
+    assert stopped.value.codes == [0, -signal.SIGKILL] and stopped.value.running == [False, True]
     message = str(stopped.value)
     assert "timed out after 3 seconds" in message and "in waiting_for_a_peer" in message, message
     assert message.index("process 1, exit code -9") < message.index("in waiting_for_a_peer"), message  # its own
