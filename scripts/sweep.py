@@ -345,12 +345,13 @@ def suggest(trial, name: str, dist):
 
 def never_logged(values: "MetricValues", space_path: Path) -> UsageError:
     """The sweep's metric is not in a finished trial's metrics.jsonl: the error names the eval keys that are."""
-    logged = {key.removeprefix("eval/"): key for key in values.keys if key.startswith("eval/")}
-    close = difflib.get_close_matches(values.key.removeprefix("eval/"), logged, n=1)
-    hint = f"did you mean {logged[close[0]]}? " if close else ""
+    from src.best import closest_key
+
+    logged = sorted(key for key in values.keys if key.startswith("eval/"))
+    hint = f"did you mean {close}? " if (close := closest_key(values.key, logged)) else ""
     return UsageError(
         f"{values.key} is never logged in {values.path}; {hint}set `metric:` in {space_path} to an eval key it holds "
-        f"({', '.join(sorted(logged.values())) or 'eval/loss'})"
+        f"({', '.join(logged) or 'eval/loss'})"
     )
 
 

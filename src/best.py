@@ -57,10 +57,15 @@ def improves(value: float, best: float | None, greater_is_better: bool) -> bool:
     return best is None or (value > best if greater_is_better else value < best)
 
 
+def closest_key(metric: str, keys) -> str | None:
+    """The logged key closest to a misspelt `metric`, compared without `eval/` (alike in all: `f1` is not `loss`)."""
+    names = {key.removeprefix("eval/"): key for key in keys}
+    close = difflib.get_close_matches(metric.removeprefix("eval/"), names, n=1)
+    return names[close[0]] if close else None
+
+
 def watched(metrics: dict, metric: str, flag: str) -> float:
     if metric not in metrics:
-        names = {key.removeprefix("eval/"): key for key in metrics}  # eval/ alike in all: compared without it
-        close = difflib.get_close_matches(metric.removeprefix("eval/"), names, n=1)
-        hint = f"did you mean {names[close[0]]}? " if close else ""
+        hint = f"did you mean {close}? " if (close := closest_key(metric, metrics)) else ""
         raise UsageError(f"{flag} {metric} is not logged; {hint}use one of {', '.join(metrics)}")
     return metrics[metric]
