@@ -57,13 +57,12 @@ def main(args: list[str] | TrainConfig | None = None) -> dict:
         return train(config)
     first = per_device = config.per_device_train_batch_size
 
-    def halve() -> int:  # resolve_global_batch then raises the accumulation: the optimiser's batch stays the same
+    def smaller() -> int:  # at most half, and the optimiser's batch the same: resolve_global_batch raises accumulation
         nonlocal per_device
-        per_device //= 2
-        logger.warning("out of memory with a per-device batch of %d: retrying with %d", per_device * 2, per_device)
+        per_device = distributed.smaller_device_batch(config, per_device)
         return per_device
 
-    @find_executable_batch_size(starting_batch_size=first, reduce_batch_size_fn=halve)
+    @find_executable_batch_size(starting_batch_size=first, reduce_batch_size_fn=smaller)
     def train_with(batch_size: int) -> dict:
         overwrite = config.overwrite_output_dir or batch_size != first  # a retry replaces what the failed one wrote
         return train(replace(config, per_device_train_batch_size=batch_size, overwrite_output_dir=overwrite))
@@ -152,6 +151,7 @@ def train(config: TrainConfig) -> dict:
     step, eval_metrics = state.step, {}  # eval_metrics: the latest evaluation's
     meter = meters.TrainMeters(accelerator, task, model, run.optimizer, config, state)
     best = BestEvaluation(config, state)  # a new best model is checkpointed; early stopping
+    total_steps = state.step if best.stopped_early() else total_steps  # resumed after it stopped early: done
     progress = tracking.progress_bar(accelerator, total_steps, initial=step)
     export = partial(final_model.export_model, accelerator, task, run.saved_model) if task.export_checkpoints else None
     source = batches.train_data(accelerator, run.train_loader, config, task.collate_fn())  # by index if it can
@@ -161,24 +161,26 @@ def train(config: TrainConfig) -> dict:
     # SIGTERM/SIGUSR1 -> checkpoint (handlers restored however we leave); an error in the task's code -> one line
     with PreemptionSignals(accelerator) as preemption, tasks.task_errors(task):
         for window in windows:
-            log_now = (step + 1) % config.logging_steps == 0 or step + 1 == total_steps
-            measure_norm = norm_every_step or log_now
+            log_next = (step + 1) % config.logging_steps == 0 or step + 1 == total_steps
+            measure_norm = norm_every_step or log_next
             grad_norm = train_step(accelerator, task, model, run.optimizer, window, meter, config, measure_norm)
             lr_scheduler.step()
             step += 1
             progress.update()
             features.installed().on_step(accelerator, config, step)  # e.g. the profiler's
-            if log_now:
+            evaluate_now = config.do_eval and (step % config.eval_steps == 0 or step == total_steps)
+            new_best = False
+            if evaluate_now:
+                with meter.timer.paused():
+                    eval_metrics = evaluate(task, model, eval_loader, metric, accelerator)
+                new_best, stop_early = best.update(eval_metrics, step)
+                total_steps = step if stop_early else total_steps  # then the final checkpoint and model follow
+            if step % config.logging_steps == 0 or step == total_steps:  # an early stop's last steps too
                 epoch = step / steps_per_epoch if steps_per_epoch else position.epoch
                 logged = meter.log_step(step, lr_scheduler.get_last_lr()[0], grad_norm, epoch)
                 tracking.log_metrics(accelerator, logged, step)
-            new_best = False
-            if config.do_eval and (step % config.eval_steps == 0 or step == total_steps):
-                with meter.timer.paused():
-                    eval_metrics = evaluate(task, model, eval_loader, metric, accelerator)
-                    tracking.log_metrics(accelerator, eval_metrics, step)
-                new_best, stop_early = best.update(eval_metrics, step)
-                total_steps = step if stop_early else total_steps  # then the final checkpoint and model follow
+            if evaluate_now:
+                tracking.log_metrics(accelerator, eval_metrics, step)  # after the step's train line
             preempted = preemption.requested(step)
             if preempted or new_best or step == total_steps or (config.save_steps and step % config.save_steps == 0):
                 state.step, state.preempted = step, preempted
@@ -201,11 +203,13 @@ def train_step(accelerator, task, model, optimizer, window, meter: meters.TrainM
     """One optimiser step over an accumulation window; returns the gradient norm when `measure_norm`, else None."""
     # a loss that is a sum: scaled by its terms' count over the global batch (see summed_loss_scale)
     scale = distributed.summed_loss_scale(accelerator, task, window) if task.loss_reduction == "sum" else None
+    losses = []
     for batch in window:
         with accelerator.accumulate(model):  # no gradient sync before the window's last micro-batch
             loss = task.loss(model, batch) if scale is None else task.loss(model, batch) * scale
             accelerator.backward(loss)
-        meter.losses.add(loss)
+        losses.append(loss)
+    meter.losses.add(losses)  # one value per optimiser step, however many micro-batches it took
     grad_norm = None
     if measure_norm:  # max_norm inf: the norm measured, nothing clipped
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm or math.inf)

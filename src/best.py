@@ -3,6 +3,7 @@ so decide alike without a collective; the counters live in the trainer state, so
 
 import difflib
 import logging
+import math
 
 from src.checkpoint import TrainerState
 from src.config import TrainConfig
@@ -47,6 +48,11 @@ class BestEvaluation:
             )
         return new_best, stop
 
+    def stopped_early(self) -> bool:
+        """Whether the run stopped early already (a resumed one: it trains no further)."""
+        patience = self.config.early_stopping_patience
+        return bool(patience) and self.state.evals_without_improvement >= patience
+
     def summary(self) -> dict:
         """What `--load_best_model_at_end` logs: the best model's step and metric."""
         step, value = self.state.best_model_step, self.state.best_model_metric
@@ -54,7 +60,10 @@ class BestEvaluation:
 
 
 def improves(value: float, best: float | None, greater_is_better: bool) -> bool:
-    return best is None or (value > best if greater_is_better else value < best)
+    """A NaN never improves, and any number improves on one (a NaN first evaluation stays no best)."""
+    if math.isnan(value):
+        return False
+    return best is None or math.isnan(best) or (value > best if greater_is_better else value < best)
 
 
 def closest_key(metric: str, keys) -> str | None:

@@ -2,7 +2,6 @@
 
 import json
 import logging
-import os
 import shutil
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -11,7 +10,7 @@ import torch
 
 from src.config import TrainConfig, save_config
 from src.errors import CheckpointWriteFailed, UsageError, one_line
-from src.run_dir import CHECKPOINTS_DIR, CONFIG_FILE, MODEL_DIR, STATE_FILE, TMP_PREFIX
+from src.run_dir import CHECKPOINTS_DIR, CONFIG_FILE, MODEL_DIR, STATE_FILE, TMP_PREFIX, move_into_place
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +60,12 @@ def resume(accelerator, config: TrainConfig, fresh: TrainerState) -> tuple[Train
             f"{fresh.global_batch}; set --global_batch_size {state.global_batch} to resume it"
         )
     check_sharding(path, state, fresh)
+    if later := [p.name for p in complete_checkpoints(Path(config.output_dir)) if checkpoint_step(p) > state.step]:
+        raise UsageError(
+            f"--resume_from_checkpoint {path} goes on from step {state.step}, but {config.output_dir} holds later "
+            f"checkpoints ({', '.join(later)}) that `latest` would take for this run's; delete them to go on from "
+            f"step {state.step} there, or choose another --output_dir"
+        )
     try:
         accelerator.load_state(str(path))
     except Exception as err:  # torch, safetensors and pickle each raise their own kinds for a bad file
@@ -103,7 +108,7 @@ def checkpoint_dir(output_dir: Path, step: int) -> Path:
 def complete_checkpoints(output_dir: Path) -> list[Path]:
     """Oldest first. Only folders with a trainer state count: the rename happens after everything is written."""
     found = [p for p in (output_dir / CHECKPOINTS_DIR).glob("step_*") if (p / STATE_FILE).is_file()]
-    return sorted(found, key=checkpoint_step)
+    return sorted((p for p in found if p.name[5:].isdigit()), key=checkpoint_step)  # not a copy named step_8.bak
 
 
 def save_checkpoint(accelerator, config: TrainConfig, state: TrainerState, export=None) -> Path:
@@ -137,8 +142,7 @@ def save_checkpoint(accelerator, config: TrainConfig, state: TrainerState, expor
             "Free disk space (or lower --save_total_limit) and resume with --resume_from_checkpoint latest"
         )
     if accelerator.is_main_process:
-        shutil.rmtree(final, ignore_errors=True)  # re-saving a step (e.g. a resumed run that stops where it started)
-        os.replace(partial, final)  # atomic on one file system: the checkpoint appears whole or not at all
+        move_into_place(partial, final)  # whole or not at all; a step saved again replaces its previous save
         rotate_checkpoints(Path(config.output_dir), config.save_total_limit, keep_step=state.best_model_step)
     accelerator.wait_for_everyone()
     return final

@@ -76,7 +76,7 @@ class TrainConfig:
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "cosine"  # after warmup
     warmup_steps: int = 20  # linear warmup, in optimiser steps
     max_grad_norm: float = 1.0  # 0 disables clipping
-    auto_find_batch_size: bool = False  # on out-of-memory: halve the per-device batch, keep global_batch_size
+    auto_find_batch_size: bool = False  # on out-of-memory: at most half the per-device batch, keep global_batch_size
     mixed_precision: Literal["no", "fp16", "bf16"] | None = None  # None: from the accelerate config / launcher
     gradient_checkpointing: bool = False  # trade compute for memory, for models that support it
     torch_compile: bool = False  # torch.compile the model (inductor), in place: checkpoints keep the plain keys

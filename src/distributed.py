@@ -86,6 +86,21 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def smaller_device_batch(config: TrainConfig, per_device: int) -> int:
+    """--auto_find_batch_size after running out of memory with `per_device` samples: the largest batch at most half as
+    large that keeps the global batch (a whole accumulation count); UsageError once even 1 sample did not fit."""
+    processes = strategy.data_parallel_size(PartialState().num_processes)  # the group the failed attempt formed
+    fits = [size for size in range(per_device // 2, 0, -1) if config.global_batch_size % (size * processes) == 0]
+    if not fits:
+        raise UsageError(
+            f"out of memory with a per-device batch of {per_device}, the smallest that keeps --global_batch_size "
+            f"{config.global_batch_size}; use --gradient_checkpointing true, --mixed_precision bf16, more processes "
+            "or a smaller model"
+        )
+    logger.warning("out of memory with a per-device batch of %d: retrying with %d", per_device, fits[0])
+    return fits[0]
+
+
 def summed_loss_scale(accelerator, task, window: list) -> torch.Tensor:
     """For a summed loss(): processes x accumulation / the global batch's terms (an exact integer all-reduce), so that
     after accumulation and DDP average, the gradient is the mean term's on any process count."""

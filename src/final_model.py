@@ -8,13 +8,20 @@ import yaml
 from src.accelerator import deepspeed_only_if_used
 from src.config import TrainConfig
 from src.errors import UsageError, one_line
-from src.run_dir import CONFIG_FILE, MODEL_DIR, STATE_FILE
+from src.run_dir import CONFIG_FILE, MODEL_DIR, STATE_FILE, TMP_PREFIX, move_into_place
 
 
 def save_final_model(accelerator, task, model, output_dir: Path) -> Path:
-    export_model(accelerator, task, model, output_dir / MODEL_DIR)
+    """model/ written beside it by every process (sharded models are gathered), then renamed into place: a kill while
+    saving leaves the previous model/ whole."""
+    final = output_dir / MODEL_DIR
+    partial = final.with_name(TMP_PREFIX + MODEL_DIR)  # a stopped run's: removed at the next start (src/run_dir.py)
+    export_model(accelerator, task, model, partial)
     accelerator.wait_for_everyone()
-    return output_dir / MODEL_DIR
+    if accelerator.is_main_process:
+        move_into_place(partial, final)
+    accelerator.wait_for_everyone()
+    return final
 
 
 def export_model(accelerator, task, model, directory: Path) -> None:
@@ -30,10 +37,10 @@ def load_weights(model, path: str):
     folder = saved_model_dir(path)
     try:
         load_checkpoint_in_model(model, str(folder), strict=True)
-    except (ValueError, RuntimeError, OSError) as err:
+    except Exception as err:  # torch's, safetensors' (a damaged file) and accelerate's own kinds
         raise UsageError(
-            f"--model_name_or_path {path} does not hold weights for this model "
-            f"(same --task and options as when it was trained?): {one_line(err)[:300]}"
+            f"--model_name_or_path {path} does not hold weights for this model, or is damaged "
+            f"(same --task and options as when it was trained?): {type(err).__name__}: {one_line(err)[:300]}"
         ) from err
     return model
 

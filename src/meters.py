@@ -17,16 +17,19 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 class LossWindow:
-    """Micro-batch losses since the last log (`first_step`: the optimiser step of the first), kept on the device (no
-    host sync per step), averaged over processes at log time. A NaN/inf one stops the run, naming its step, before a
-    checkpoint can save damaged weights; with `skip_nonfinite` it is left out (the loop skips its optimiser step)."""
+    """Each optimiser step's mean micro-batch loss since the last log (`first_step`: the first's step), kept on the
+    device (no host sync per step), averaged over processes at log time; one value per step, so a resume on another
+    accumulation count weighs its steps alike. A NaN/inf one stops the run, naming its step, before a checkpoint can
+    save damaged weights; with `skip_nonfinite` it is left out (the loop skips its optimiser step)."""
 
     def __init__(self, accelerator, skip_nonfinite: bool, values: list[float], first_step: int):
         self.accelerator, self.skip_nonfinite, self.first_step = accelerator, skip_nonfinite, first_step
         self.values = [torch.tensor(value, device=accelerator.device) for value in values]
 
-    def add(self, loss: torch.Tensor) -> None:
-        self.values.append(loss.detach())  # a list append costs less per step than writing into a tensor
+    def add(self, losses: list[torch.Tensor]) -> None:
+        """One optimiser step's micro-batch losses."""
+        step_loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+        self.values.append(step_loss.detach())  # a list append costs less per step than writing into a tensor
 
     def reduced(self) -> torch.Tensor:
         if not self.values:
@@ -38,7 +41,7 @@ class LossWindow:
         if bool(finite.all()):
             return window
         if not self.skip_nonfinite:
-            bad_step = self.first_step + int((~finite).nonzero()[0]) // self.accelerator.gradient_accumulation_steps
+            bad_step = self.first_step + int((~finite).nonzero()[0])
             raise TrainingDiverged(
                 f"the training loss became NaN/inf at step {bad_step}; checkpoints saved before it are intact. "
                 "Lower --learning_rate, check the data, or pass --skip_nonfinite_batches true to skip such batches"

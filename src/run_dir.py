@@ -63,7 +63,7 @@ def prepare_output_dir(accelerator, config: TrainConfig, resume_step: int | None
         if replacing:  # a fresh start: nothing of the previous run's logs may mix into this one
             logger.info("replacing the previous run in %s (%s)", output_dir, ", ".join(previous))
             for path in (output_dir / name for name in previous):
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
+                remove(path)
         elif (metrics := output_dir / METRICS_FILE).exists():  # a resumed run logs the steps after its checkpoint again
             steps = [(line, logged_step(line)) for line in metrics.read_text().splitlines(keepends=True)]
             if cut := sum(step is None for _, step in steps):
@@ -72,9 +72,10 @@ def prepare_output_dir(accelerator, config: TrainConfig, resume_step: int | None
             partial = metrics.with_name(TMP_PREFIX + metrics.name)  # the log whole or as it was, even if killed here
             partial.write_text("".join(kept))
             os.replace(partial, metrics)
-        for path in sorted((output_dir / CHECKPOINTS_DIR).glob(f"{TMP_PREFIX}*")):
-            logger.warning("removing %s: an incomplete checkpoint (or upload snapshot) from an interrupted write", path)
-            shutil.rmtree(path, ignore_errors=True)
+        leftovers = [*output_dir.glob(f"{TMP_PREFIX}*"), *(output_dir / CHECKPOINTS_DIR).glob(f"{TMP_PREFIX}*")]
+        for path in sorted(leftovers):
+            logger.warning("removing %s: an incomplete checkpoint, model or upload snapshot of a stopped run", path)
+            remove(path)
         output_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, output_dir / CONFIG_FILE)
     accelerator.wait_for_everyone()
@@ -98,6 +99,21 @@ def trained_any_step(output_dir: Path) -> bool:
         return path.is_file() and any(json.loads(line).get("step", 0) > 0 for line in path.read_text().splitlines())
     except ValueError:
         return True  # a line that is not ours to judge: keep the run
+
+
+def remove(path: Path) -> None:
+    shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+def move_into_place(partial: Path, final: Path) -> None:
+    """`partial` (a folder) renamed to `final`, an existing `final` renamed aside first and then removed: there is a
+    whole one at every moment, never one half removed (a kill during a large model's rmtree)."""
+    previous = final.with_name(f"{TMP_PREFIX}previous_{final.name}")
+    shutil.rmtree(previous, ignore_errors=True)
+    if final.exists():
+        os.replace(final, previous)
+    os.replace(partial, final)  # atomic on one file system
+    shutil.rmtree(previous, ignore_errors=True)
 
 
 def write_atomically(accelerator, path: Path, text: str) -> None:

@@ -1,11 +1,14 @@
 """src/best.py: early stopping counts evaluations without improvement, in either direction, across a resume."""
 
+import math
+
 import pytest
 
 from src.best import BestEvaluation
 from src.checkpoint import TrainerState
 from src.config import TrainConfig
 from src.errors import UsageError
+from tests.conftest import assert_ok, read_metrics, run_main, series
 
 
 @pytest.mark.parametrize(
@@ -61,3 +64,26 @@ def test_both_flags_name_a_metric_alike_and_read_its_direction_alike(metric, mod
     assert f"the best model: the {keeps} {config.metric_for_best_model} (--greater_is_better" in caplog.text
     better = "lower" if mode == "min" else "higher"
     assert f"early stopping after 2 evaluations without a {better} {config.early_stopping_metric}" in caplog.text
+
+
+def test_a_nan_evaluation_is_never_the_best_and_any_number_beats_it():
+    config = TrainConfig(metric_for_best_model="loss", early_stopping_patience=3)
+    best = BestEvaluation(config, TrainerState())
+    assert [best.update({"eval/loss": value}, step)[0] for step, value in enumerate([math.nan, 2.0, 1.0, 1.5])] == [
+        False, True, True, False]  # fmt: skip
+    assert best.state.evals_without_improvement == 1 and not best.stopped_early()
+
+
+@pytest.mark.slow
+def test_a_run_that_stopped_early_logs_its_last_steps_and_a_resume_trains_no_further(tmp_path):
+    """eval/num_samples never improves: patience 1 stops at the second evaluation (step 4), between two log steps;
+    the steps since the last log are logged. Resumed (as a requeued job is), it stays stopped at step 4."""
+    out = tmp_path / "run"
+    args = ["--max_steps", "20", "--eval_steps", "2", "--logging_steps", "5", "--save_steps", "0",
+            "--early_stopping_patience", "1", "--early_stopping_metric", "num_samples", "--max_eval_samples", "64",
+            "--output_dir", str(out), "--resume_from_checkpoint", "latest"]  # fmt: skip
+    assert_ok(run_main(*args))
+    assert series(read_metrics(out), "train/loss").keys() == {4}
+    assert_ok(run_main(*args))
+    assert [path.name for path in (out / "checkpoints").iterdir()] == ["step_4"]
+    assert max(row["step"] for row in read_metrics(out)) == 4

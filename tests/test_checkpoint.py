@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -10,6 +11,7 @@ import pytest
 
 from src.errors import EXIT_PREEMPTED
 from tests.conftest import (
+    QUICK,
     REPO,
     WRAPPER,
     assert_ok,
@@ -56,12 +58,12 @@ def preempted_then_killed(tmp_path_factory):
     step_5 = checkpoints / "step_5" / "trainer_state.json"
     left["state"] = json.loads(step_5.read_text()) if step_5.is_file() else None
     die_in_rename = """
-replace = src.checkpoint.os.replace
+replace = src.run_dir.os.replace
 def replace_or_die(src_path, dst_path):
     if str(dst_path).endswith("step_30"):
         os.kill(os.getpid(), signal.SIGKILL)
     replace(src_path, dst_path)
-src.checkpoint.os.replace = replace_or_die
+src.run_dir.os.replace = replace_or_die
 """
     killed = run_with_hook(tmp_path, args, extra=die_in_rename)
     left_killed = {
@@ -275,3 +277,61 @@ def test_resuming_a_finished_run_trains_no_further(tmp_path):
     assert_ok(run_main(*args))
     rows = read_metrics(out)
     assert max(row["step"] for row in rows) == 6 and series(rows, "train/loss") == before
+
+
+@pytest.mark.slow
+def test_a_resume_on_another_accumulation_count_logs_the_uninterrupted_loss(tmp_path):
+    """A checkpoint between two log steps, saved with 2 micro-batches a step (32 x 2), resumed with 1 (64, as on 2
+    processes): the losses of the steps before it weigh as the steps after it, as in the uninterrupted run."""
+    args = ["--max_steps", "4", "--logging_steps", "4", "--eval_steps", "100", "--save_steps", "3"]
+    assert_ok(run_main(*args, "--per_device_train_batch_size", "32", "--output_dir", str(tmp_path / "full")))
+    step_3 = tmp_path / "full" / "checkpoints" / "step_3"
+    resumed = ["--per_device_train_batch_size", "64", "--resume_from_checkpoint", str(step_3)]
+    assert_ok(run_main(*args, *resumed, "--output_dir", str(tmp_path / "resumed")))
+    full, after = (series(read_metrics(tmp_path / name), "train/loss") for name in ("full", "resumed"))
+    assert list(full) == list(after) == [4] and after[4] == pytest.approx(full[4], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_going_back_to_an_earlier_checkpoint_is_refused_while_later_ones_are_there(tmp_path):
+    """Resuming at step 3 beside step 6: `latest` would later take step 6 (another history) for this run's; nothing
+    changes. A copy of a checkpoint under another name (step_6.bak) is no checkpoint for `latest`."""
+    out = tmp_path / "run"
+    args = [*QUICK, "--save_steps", "3", "--output_dir", str(out)]
+    assert_ok(run_main(*args))
+    before = {path: path.read_bytes() for path in out.rglob("*") if path.is_file()}
+    result = run_main(*args, "--resume_from_checkpoint", str(out / "checkpoints" / "step_3"))
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith(
+        f"error: --resume_from_checkpoint {out}/checkpoints/step_3 goes on from step 3, but {out} holds later "
+        "checkpoints (step_6) that `latest` would take for this run's; delete them"
+    )
+    assert {path: path.read_bytes() for path in out.rglob("*") if path.is_file()} == before
+    shutil.copytree(out / "checkpoints" / "step_6", out / "checkpoints" / "step_6.bak")
+    assert_ok(run_main(*args, "--resume_from_checkpoint", "latest"))  # a finished run: nothing more to train
+
+
+@pytest.mark.slow
+def test_a_kill_while_the_model_is_saved_leaves_the_previous_model_whole(tmp_path):
+    """A finished run resumed saves model/ again: killed in the middle, the previous model/ is still there, whole, and
+    the next start removes the part written. A damaged model file is one line when evaluated (exit 2)."""
+    out = tmp_path / "run"
+    args = [*QUICK, "--output_dir", str(out), "--resume_from_checkpoint", "latest"]
+    assert_ok(run_main(*args))
+    weights = out / "model" / "model.safetensors"
+    saved = weights.read_bytes()
+    dies_saving = (
+        "import src.tasks.base\n"
+        "def save_model(self, accelerator, model, directory):\n"
+        "    directory.mkdir(parents=True, exist_ok=True)\n"
+        "    (directory / 'model.safetensors').write_bytes(b'cut')\n"
+        "    os._exit(137)\n"
+        "src.tasks.base.Task.save_model = save_model\n"
+    )
+    killed = run_with_hook(tmp_path, args, extra=dies_saving)
+    assert killed.returncode == 137 and weights.read_bytes() == saved
+    resumed = run_main(*args)
+    assert_ok(resumed)
+    assert "removing" in resumed.stderr and not list(out.glob(".tmp_*")) and weights.read_bytes() == saved
+    weights.write_bytes(b"cut short")
+    evaluated = run_main("--do_train", "false", "--output_dir", str(out))
+    assert evaluated.returncode == 2 and "does not hold weights for this model, or is damaged" in evaluated.stderr

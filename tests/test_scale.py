@@ -5,6 +5,7 @@ import math
 
 import pytest
 
+from src.config import TrainConfig
 from tests.conftest import (
     QUICK,
     REPO,
@@ -103,6 +104,24 @@ def test_auto_find_batch_size_keeps_the_global_batch(tmp_path, monkeypatch):
     assert len(series(read_metrics(out), "train/loss")) == 3  # the failed attempts left nothing behind
     logs = result.stdout + result.stderr
     assert logs.count("out of memory with a per-device batch of") == 1  # 32 -> 16: one line per halving
+
+
+def test_auto_find_batch_size_tries_only_batches_that_keep_the_global_batch(fresh_accelerate_state, caplog):
+    """30 samples a step on 1 process: 15, 6 (7 would not divide 30), 3, 1, then one line saying what to do."""
+    from accelerate import PartialState
+
+    from src.distributed import smaller_device_batch
+    from src.errors import UsageError
+
+    PartialState(cpu=True)
+    config = TrainConfig(per_device_train_batch_size=30, global_batch_size=30)
+    tried = [30]
+    with caplog.at_level("WARNING", logger="src.distributed"), pytest.raises(UsageError) as refused:
+        while True:
+            tried.append(smaller_device_batch(config, tried[-1]))
+    assert tried == [30, 15, 6, 3, 1]
+    assert "out of memory with a per-device batch of 15: retrying with 6" in caplog.text
+    assert str(refused.value).startswith("out of memory with a per-device batch of 1, the smallest that keeps")
 
 
 @pytest.mark.slow

@@ -40,6 +40,7 @@ from src.run_dir import (
     PREDICTIONS_FILE,
     STATE_FILE,
     TMP_PREFIX,
+    move_into_place,
 )
 
 if TYPE_CHECKING:
@@ -215,9 +216,7 @@ def download(mirror: Mirror, step: int, output_dir: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
     logger.info("downloading checkpoint %s from %s (%d files)", final.name, mirror.url, len(remote))
     mirror.fs.get(remote, [str(path) for path in local])
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(partial, final)
+    move_into_place(partial, final)
     return final
 
 
