@@ -138,6 +138,8 @@ def train(config: TrainConfig) -> dict:
     )
     features.installed().before_resume(accelerator, config)  # e.g. a newer checkpoint fetched from object storage
     state, resumed = checkpoint.resume(accelerator, config, state)  # --resume_from_checkpoint: the checkpoint's state
+    if resumed:
+        optim.follow_config(run.optimizer, lr_scheduler, config)  # its learning rate, not the checkpoint's
     if steps_per_epoch:  # data of known length: the position follows from the step
         position = batches.DataPosition(*divmod(state.step, steps_per_epoch))
 

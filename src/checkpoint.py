@@ -27,6 +27,7 @@ class TrainerState:
     strategy: str | None = None  # setup/strategy of the run that saved it: "DDP", "FSDP2", "DeepSpeed ZeRO-3", ...
     tracker_run_id: str | None = None
     preempted: bool = False  # saved because of SIGTERM/SIGUSR1: scripts/slurm requeue the job on it
+    skipped_steps: int = 0  # --skip_nonfinite_batches: the optimiser steps skipped so far
     best_metric: float | None = None  # early stopping
     evals_without_improvement: int = 0
     best_model_step: int | None = None  # metric_for_best_model: the step of the best evaluation so far ...
@@ -45,6 +46,15 @@ def resume(accelerator, config: TrainConfig, fresh: TrainerState) -> tuple[Train
             logger.info("no checkpoint in %s yet: starting fresh", Path(config.output_dir) / CHECKPOINTS_DIR)
             return fresh, False
         path = complete[-1]
+    elif not path.exists():
+        there = (
+            [p.name for p in complete_checkpoints(path.parent.parent)] if path.parent.name == CHECKPOINTS_DIR else []
+        )
+        raise UsageError(
+            f"--resume_from_checkpoint {path} does not exist"
+            + (f" ({path.parent} has {', '.join(there)})" if there else "")
+            + "; name a checkpoints/step_<N> folder, or 'latest'"
+        )
     elif not (path / STATE_FILE).is_file():
         raise UsageError(
             f"--resume_from_checkpoint {path} is not a complete checkpoint (no {STATE_FILE}); "
@@ -70,7 +80,10 @@ def resume(accelerator, config: TrainConfig, fresh: TrainerState) -> tuple[Train
         accelerator.load_state(str(path))
     except Exception as err:  # torch, safetensors and pickle each raise their own kinds for a bad file
         message = one_line(err)[:300]
-        raise UsageError(f"checkpoint {path} does not fit this model/optimiser or is damaged: {message}") from err
+        raise UsageError(
+            f"checkpoint {path} does not fit this model/optimiser or is damaged (resume with the task options it was "
+            f"trained with: its {CONFIG_FILE}): {message}"
+        ) from err
     # 0: a checkpoint ends a window, and the micro-batch count Accelerate restores is wrong on another process count
     accelerator.step = 0
     logger.info("resuming from %s at step %d", path, state.step)

@@ -102,6 +102,8 @@ class TrainConfig:
         self.report_to = normalize_report_to(self.report_to)
         values = {name: getattr(self, name) for name in (*POSITIVE, *NON_NEGATIVE, *POSITIVE_OR_NONE)}
         problems = [f"--{name} must be > 0 (got {values[name]})" for name in POSITIVE if values[name] <= 0]
+        if self.eval_steps <= 0:
+            problems[-1] += " (--do_eval false: no evaluation)"  # save_steps 0 means "at the end"; this one doesn't
         problems += [f"--{name} must be >= 0 (got {values[name]})" for name in NON_NEGATIVE if values[name] < 0]
         not_positive = [name for name in POSITIVE_OR_NONE if values[name] is not None and values[name] <= 0]
         problems += [f"--{name} must be > 0 or null (got {values[name]})" for name in not_positive]
@@ -172,10 +174,12 @@ def resolve_global_batch(config: TrainConfig, num_processes: int) -> int:
         return config.gradient_accumulation_steps
     per_step = config.per_device_train_batch_size * num_processes
     if config.global_batch_size % per_step:
+        share, uneven = divmod(config.global_batch_size, num_processes)  # uneven: no per-device batch can divide it
+        fits = [size for size in range(config.per_device_train_batch_size, 0, -1) if not uneven and share % size == 0]
         raise UsageError(
             f"--global_batch_size {config.global_batch_size} is not divisible by per-device batch "
             f"{config.per_device_train_batch_size} x {num_processes} processes = {per_step}; set --global_batch_size "
-            f"to a multiple of {per_step}, or change --per_device_train_batch_size"
+            f"to a multiple of {per_step}" + (f", or --per_device_train_batch_size {fits[0]}" if fits else "")
         )
     steps = config.global_batch_size // per_step
     if config.gradient_accumulation_steps not in (1, steps):  # given, and not what the global batch makes

@@ -3,6 +3,7 @@ a plain `Accelerator()` forms no group (N separate trainings, silently): `cpu=Tr
 
 import logging
 import os
+from pathlib import Path
 
 import torch
 from accelerate import DataLoaderConfiguration, PartialState
@@ -34,12 +35,9 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
     strategy.check_launch(use_cpu, config)
     if use_cpu:
         keep_freed_host_memory()
-        processes, cores = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), usable_cores()
-        if processes > cores and os.environ.get("LOCAL_RANK", "0") == "0":  # said once per node, before any error
-            say(
-                f"warning: {processes} processes on {cores} CPU cores: they take turns, so this trains slower than "
-                f"{cores} processes would; launch with --num_processes {cores} (the global batch stays the same)"
-            )
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # said once per node, before any error
+            for line in slow_cpu_setup(config):
+                say(f"warning: {line}")
     strategy_options = strategy.accelerator_options(use_cpu, config)  # cpu, and what FSDP/DeepSpeed need
     state = PartialState(**strategy.process_group_options(strategy_options))  # forms the group
     launched = int(os.environ.get("WORLD_SIZE", "1"))
@@ -71,6 +69,35 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
     if "fsdp_plugin" in strategy_options:  # FSDP on CPU processes: what Accelerate does for GPUs only
         strategy.enable_fsdp_on_cpu(accelerator, strategy_options["fsdp_plugin"])
     return accelerator
+
+
+def slow_cpu_setup(config: TrainConfig) -> list[str]:
+    """What makes this CPU run train slower than it could, and the fix."""
+    found = []
+    processes, cores = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), usable_cores()
+    if processes > cores:
+        found.append(
+            f"{processes} processes on {cores} CPU cores: they take turns, so this trains slower than {cores} "
+            f"processes would; launch with --num_processes {cores} (the global batch stays the same)"
+        )
+    precision = config.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if precision == "bf16" and not cpu_has_bf16():
+        found.append(
+            "bf16 mixed precision on a CPU without bf16 instructions (AVX512-BF16, AMX): emulated, many times slower "
+            "than float32 (configs/lm.yaml: 15-20x, docs/sharded.md); --mixed_precision no trains in float32"
+        )
+    return found
+
+
+BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # /proc/cpuinfo's words for x86's AVX512-BF16 and AMX, Arm's BF16
+
+
+def cpu_has_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether this CPU has bf16 instructions; True where it can't be told (no /proc/cpuinfo: not Linux)."""
+    try:
+        return bool(BF16_FLAGS & set(cpuinfo.read_text().split()))
+    except OSError:
+        return True
 
 
 WORLD_SIZES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")  # torchrun's, MPI's

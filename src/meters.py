@@ -119,7 +119,7 @@ class TrainMeters:
         self.losses = LossWindow(accelerator, config.skip_nonfinite_batches, state.loss_window, state.window_first_step)
         self.timer = StepTimer(state.step)
         self.throughput = throughput_metrics(task, accelerator)  # tokens/s and MFU for tasks that count tokens
-        self.skipped_steps = 0 if config.skip_nonfinite_batches else None  # --skip_nonfinite_batches only
+        self.skipped_steps = state.skipped_steps if config.skip_nonfinite_batches else None  # with it only
         self.shard_bytes_logged = False
 
     def log_step(self, step: int, lr: float, grad_norm: torch.Tensor | None, epoch: float) -> dict:
@@ -153,5 +153,7 @@ class TrainMeters:
         return {"memory/param_bytes": int(largest[0]), "memory/optimizer_state_bytes": int(largest[1])}
 
     def save_to(self, state) -> None:
-        """The partial loss window into the trainer state, for a checkpoint (a NaN in it stops the run here)."""
+        """The partial loss window and the skipped steps into the trainer state, for a checkpoint (a NaN in the window
+        stops the run here)."""
         state.loss_window, state.window_first_step = self.losses.reduced().tolist(), self.losses.first_step
+        state.skipped_steps = self.skipped_steps or 0

@@ -44,3 +44,14 @@ def build_scheduler(optimizer, config: TrainConfig, total_steps: int) -> torch.o
         )  # fmt: skip
     kind = config.lr_scheduler_type
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, warmup, kind))
+
+
+def follow_config(optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, config: TrainConfig) -> None:
+    """After a resume: the config's learning rate, betas and weight decay, as its config.yaml says, not those the
+    checkpoint's optimiser state brought back (a lower --learning_rate after a divergence did nothing); the schedule
+    goes on from the checkpoint's step."""
+    for group, decay in zip(optimizer.param_groups, (config.weight_decay, 0.0), strict=True):  # build_optimizer's
+        group.update(initial_lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), weight_decay=decay)
+    scheduler.base_lrs = [config.learning_rate] * len(optimizer.param_groups)
+    scheduler.last_epoch -= 1
+    scheduler.step()  # the checkpoint's step again: its rate from the config's

@@ -166,7 +166,11 @@ def test_reloading_a_classifier_adapter_reports_no_new_head(classifier, tmp_path
 @pytest.mark.parametrize(
     "flags, pattern",
     [
-        (["--lora_target_modules", "[c_atn]"], r"Target modules \{'c_atn'\} not found .*--lora_target_modules"),
+        (
+            ["--lora_target_modules", "[c_atn]"],
+            r"Target modules \{'c_atn'\} not found .*--lora_target_modules to "
+            r"names of its Linear / Conv / Embedding modules: c_attn, c_fc, c_proj, lm_head, wpe, wte\)$",
+        ),
         (["--from_scratch", "true"], r"--peft lora adapts a trained model: drop --from_scratch"),
         (["--lora_r", "0"], r"--lora_r and --lora_alpha must be > 0"),
         (["--model_name_or_path", "CTRL"], r"on CTRLLMHeadModel: Please specify `target_modules`.*--lora_target"),

@@ -306,6 +306,11 @@ def test_going_back_to_an_earlier_checkpoint_is_refused_while_later_ones_are_the
         "checkpoints (step_6) that `latest` would take for this run's; delete them"
     )
     assert {path: path.read_bytes() for path in out.rglob("*") if path.is_file()} == before
+    result = run_main(*args, "--resume_from_checkpoint", str(out / "checkpoints" / "step_5"))
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == (
+        f"error: --resume_from_checkpoint {out}/checkpoints/step_5 does not exist ({out}/checkpoints has step_3, "
+        "step_6); name a checkpoints/step_<N> folder, or 'latest'"
+    )
     shutil.copytree(out / "checkpoints" / "step_6", out / "checkpoints" / "step_6.bak")
     assert_ok(run_main(*args, "--resume_from_checkpoint", "latest"))  # a finished run: nothing more to train
 

@@ -30,6 +30,7 @@ from tests.conftest import (
     run_main,
     run_train,
     run_with_hook,
+    series,
     signal_at,
     torchrun_variables,
 )
@@ -65,7 +66,11 @@ CASES = {
     "zero batch size": (lambda t: ["--per_device_train_batch_size", "0"], r"--per_device_train_batch_size must be > 0"),
     "negative lr": (lambda t: ["--learning_rate", "-1"], r"--learning_rate must be > 0"),
     "zero steps": (lambda t: ["--max_steps", "0"], r"--max_steps must be > 0"),
-    "global batch not divisible": (lambda t: ["--global_batch_size", "48"], r"not divisible by per-device batch 32"),
+    "global batch not divisible": (
+        lambda t: ["--global_batch_size", "48"],
+        r"not divisible by per-device batch 32 .*multiple of 32, or --per_device_train_batch_size 24$",
+    ),
+    "zero eval steps": (lambda t: ["--eval_steps", "0"], r"--eval_steps must be > 0 \(got 0\) \(--do_eval false: no"),
     "missing data file": (
         lambda t: ["--data_files", f"{{train: {t}/none.parquet, eval: {t}/none.parquet}}"],
         r"data file for split 'train' not found",
@@ -80,7 +85,11 @@ CASES = {
     "unknown report_to": (lambda t: ["--report_to", "tensorbord"], r"unknown --report_to tensorbord; did you mean"),
     "resume from nothing": (
         lambda t: ["--resume_from_checkpoint", str(t / "ckpt")],
-        r"not a complete checkpoint .*'latest'",
+        r"ckpt does not exist; name a checkpoints/step_<N> folder, or 'latest'",
+    ),
+    "resume from a folder": (
+        lambda t: ["--resume_from_checkpoint", write(t, "notes.txt", "")],  # not a checkpoint: no trainer state
+        r"notes.txt is not a complete checkpoint \(no trainer_state.json\).*'latest'",
     ),
     "train split smaller than global batch": (
         lambda t: data_files(t, digits().head(40)),
@@ -196,6 +205,12 @@ def test_skip_nonfinite_batches_trains_on(tmp_path):
     assert 1 <= last["train/skipped_steps"] <= 6  # each epoch puts the 3 bad samples into 1 to 3 steps
     assert math.isfinite(last["train/loss"])  # the mean of the good steps: neither NaN nor inf
     assert read_metrics(out)[-1]["eval/accuracy"] > 0.5
+    # stopped at step 22 and resumed: the count goes on from the checkpoint's
+    args = ["--logging_steps", "22", "--skip_nonfinite_batches", "true", "--output_dir", str(tmp_path / "resumed"),
+            "--resume_from_checkpoint", "latest", *data_files(tmp_path, frame, digits("eval"))]  # fmt: skip
+    assert_ok(run_main("--max_steps", "22", *args))
+    assert_ok(run_main("--max_steps", "44", *args))
+    assert series(read_metrics(tmp_path / "resumed"), "train/skipped_steps")[44] == last["train/skipped_steps"]
 
 
 @pytest.mark.slow
@@ -359,8 +374,8 @@ def test_more_processes_than_cores_warn_and_an_error_they_all_find_is_said_once(
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [
         f"error: --global_batch_size 32 is not divisible by per-device batch 32 x {processes} processes = "
-        f"{32 * processes}; set --global_batch_size to a multiple of {32 * processes}, or change "
-        "--per_device_train_batch_size"
+        f"{32 * processes}; set --global_batch_size to a multiple of {32 * processes}"
+        + (f", or --per_device_train_batch_size {32 // processes}" if 32 % processes == 0 else "")
     ]
     warning = f"warning: {processes} processes on {cores} CPU cores"
     assert result.stderr.count(warning) == 1

@@ -194,10 +194,14 @@ def test_bad_options_raise_usage_errors(options, message):
     assert "\n" not in str(info.value)
 
 
-def test_missing_text_names_the_prepare_script():
-    missing = {"train": "data/stdlib/absent.parquet", "eval": "data/stdlib/absent.parquet"}
+def test_missing_text_names_the_prepare_script(tmp_path):
+    """The prepared files missing: the script that makes them; another name there (a typo): the file, not the script."""
+    missing = {split: str(tmp_path / "data" / "stdlib" / f"{split}.parquet") for split in ("train", "eval")}
     with pytest.raises(UsageError, match=r"python scripts/prepare_text\.py"):
         lm_task(missing).build_datasets()
+    typo = {"train": "data/stdlib/trian.parquet", "eval": "data/stdlib/eval.parquet"}
+    with pytest.raises(UsageError, match=r"data file for split 'train' not found: data/stdlib/trian\.parquet"):
+        lm_task(typo).build_datasets()
     digits_files = {"train": "data/digits/train.parquet", "eval": "data/digits/eval.parquet"}
     with pytest.raises(UsageError, match="no column text .*--text_column"):  # not text: names the option
         lm_task(digits_files).build_datasets()

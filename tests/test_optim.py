@@ -8,7 +8,7 @@ import torch
 
 from src.config import TrainConfig
 from src.models.digits_cnn import DigitsCNN
-from src.optim import build_optimizer, build_scheduler, lr_factor
+from src.optim import build_optimizer, build_scheduler, follow_config, lr_factor
 from tests.conftest import assert_ok, read_metrics, run_main, series
 
 
@@ -125,3 +125,40 @@ def test_a_run_shorter_than_its_warmup_or_twice_it_is_warned_about(caplog):
         "(a tenth of the run: 3)" in caplog.text  # fmt: skip
     build_scheduler(optimizer, TrainConfig(warmup_steps=20), total_steps=20)
     assert "--warmup_steps 20 covers all 20 steps of this run: the learning rate only rises" in caplog.text
+
+
+def test_a_resume_takes_the_configs_rates_not_the_checkpoints():
+    """The optimiser and schedule state of a run with one learning rate, betas and weight decay, loaded into one built
+    from another config (as a resume does): the new config's, at the checkpoint's point of the schedule."""
+    model = DigitsCNN()
+    before = TrainConfig(learning_rate=1e-2, adam_beta1=0.8, weight_decay=0.1, warmup_steps=2)
+    optimizer, total = build_optimizer(model, before), 10
+    scheduler = build_scheduler(optimizer, before, total)
+    for _ in range(5):
+        optimizer.step()
+        scheduler.step()
+    after = TrainConfig(learning_rate=1e-3, adam_beta1=0.9, weight_decay=0.0, warmup_steps=2)
+    resumed_optimizer = build_optimizer(model, after)
+    resumed = build_scheduler(resumed_optimizer, after, total)
+    resumed_optimizer.load_state_dict(optimizer.state_dict())
+    resumed.load_state_dict(scheduler.state_dict())
+    follow_config(resumed_optimizer, resumed, after)
+    expected = 1e-3 * lr_factor(5, total, 2, "cosine")
+    assert resumed.get_last_lr() == pytest.approx([expected, expected])
+    assert [group["lr"] for group in resumed_optimizer.param_groups] == pytest.approx([expected, expected])
+    assert {group["betas"] for group in resumed_optimizer.param_groups} == {(0.9, 0.999)}
+    assert [group["weight_decay"] for group in resumed_optimizer.param_groups] == [0.0, 0.0]
+    optimizer.step()  # and the schedule goes on from there
+    resumed.step()
+    assert resumed.get_last_lr()[0] == pytest.approx(1e-3 * lr_factor(6, total, 2, "cosine"))
+
+
+@pytest.mark.slow
+def test_a_resumed_run_trains_at_its_new_learning_rate(tmp_path):
+    args = ["--max_steps", "4", "--logging_steps", "1", "--save_steps", "2", "--eval_steps", "100",
+            "--lr_scheduler_type", "constant", "--warmup_steps", "0"]  # fmt: skip
+    assert_ok(run_main(*args, "--output_dir", str(tmp_path / "first")))
+    step_2 = str(tmp_path / "first" / "checkpoints" / "step_2")
+    assert_ok(run_main(*args, "--learning_rate", "1e-4", "--resume_from_checkpoint", step_2,
+                       "--output_dir", str(tmp_path / "resumed")))  # fmt: skip
+    assert series(read_metrics(tmp_path / "resumed"), "train/lr") == {3: 1e-4, 4: 1e-4}

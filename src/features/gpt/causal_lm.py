@@ -149,8 +149,9 @@ class CausalLM(Task):
         """The likely slip before any data is read: data/stdlib not built yet."""
         if self.config.dataset_name:
             return
-        for path in self.config.data_files.values():
-            if not Path(path).is_file() and Path(path).parent.parts[-2:] == PREPARED_DIR.parts:
+        prepared = {Path(file).parts for file in self.default_data_files.values()}  # another name there: a typo
+        for path in map(Path, self.config.data_files.values()):
+            if not path.is_file() and path.parts[-3:] in prepared:
                 raise UsageError(
                     f"data file {path} not found; create it once with `python scripts/prepare_text.py` "
                     "(the Python stdlib's source as text), or point --data_files at your own text"

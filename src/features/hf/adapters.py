@@ -77,8 +77,18 @@ def add_adapter(model, options: AdapterOptions, task_type: str):
     except ValueError as err:  # an unknown module name, or an architecture PEFT has no default for
         raise UsageError(
             f"--peft lora on {type(model).__name__}: {one_line(err)} (set --lora_target_modules to names of its "
-            "Linear / Conv / Embedding modules)"
+            f"Linear / Conv / Embedding modules: {', '.join(adaptable_names(model))})"
         ) from err
+
+
+ADAPTABLE = ("Linear", "Conv1D", "Conv1d", "Conv2d", "Embedding")  # layer types PEFT's LoRA adapts (Conv1D: GPT-2's)
+
+
+def adaptable_names(model) -> list[str]:
+    """The last names of the model's modules that LoRA can adapt, as --lora_target_modules takes them (c_attn, ...)."""
+    return sorted(
+        {name.rpartition(".")[2] for name, module in model.named_modules() if type(module).__name__ in ADAPTABLE}
+    )
 
 
 def load_adapter(model, folder: str, trainable: bool):
