@@ -121,7 +121,8 @@ def checkpoint_dir(output_dir: Path, step: int) -> Path:
 def complete_checkpoints(output_dir: Path) -> list[Path]:
     """Oldest first. Only folders with a trainer state count: the rename happens after everything is written."""
     found = [p for p in (output_dir / CHECKPOINTS_DIR).glob("step_*") if (p / STATE_FILE).is_file()]
-    return sorted((p for p in found if p.name[5:].isdigit()), key=checkpoint_step)  # not a copy named step_8.bak
+    numbered = [p for p in found if p.name.removeprefix("step_").isdigit()]  # not a copy named step_8.bak
+    return sorted(numbered, key=checkpoint_step)
 
 
 def save_checkpoint(accelerator, config: TrainConfig, state: TrainerState, export=None) -> Path:

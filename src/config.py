@@ -22,6 +22,7 @@ POSITIVE += ("learning_rate", "num_train_epochs", "logging_steps", "eval_steps")
 NON_NEGATIVE = ("weight_decay", "warmup_steps", "max_grad_norm", "dataloader_num_workers", "save_steps")
 POSITIVE_OR_NONE = ("global_batch_size", "save_total_limit", "max_train_samples", "max_eval_samples")
 POSITIVE_OR_NONE += ("max_predict_samples", "early_stopping_patience")
+HINTS = {"eval_steps": " (--do_eval false: no evaluation)"}  # unlike --save_steps 0, which saves at the end only
 NEEDS_EVAL = ("metric_for_best_model", "load_best_model_at_end", "early_stopping_patience")  # evaluations in training
 
 
@@ -101,9 +102,8 @@ class TrainConfig:
     def __post_init__(self):
         self.report_to = normalize_report_to(self.report_to)
         values = {name: getattr(self, name) for name in (*POSITIVE, *NON_NEGATIVE, *POSITIVE_OR_NONE)}
-        problems = [f"--{name} must be > 0 (got {values[name]})" for name in POSITIVE if values[name] <= 0]
-        if self.eval_steps <= 0:
-            problems[-1] += " (--do_eval false: no evaluation)"  # save_steps 0 means "at the end"; this one doesn't
+        problems = [f"--{name} must be > 0 (got {values[name]}){HINTS.get(name, '')}" for name in POSITIVE
+                    if values[name] <= 0]  # fmt: skip
         problems += [f"--{name} must be >= 0 (got {values[name]})" for name in NON_NEGATIVE if values[name] < 0]
         not_positive = [name for name in POSITIVE_OR_NONE if values[name] is not None and values[name] <= 0]
         problems += [f"--{name} must be > 0 or null (got {values[name]})" for name in not_positive]
