@@ -121,7 +121,7 @@ def train(config: TrainConfig) -> dict:
     run = set_up(config, training=True)
     accelerator, task, model, metric, eval_loader = run.accelerator, run.task, run.model, run.metric, run.eval_loader
     accumulation = accelerator.gradient_accumulation_steps
-    batch = loaders.global_batch(config, accelerator)  # the same on any process count
+    global_batch = loaders.global_batch(config, accelerator)  # the same on any process count
 
     # --- how long: counted in optimiser steps, each seeing the same global batch on any process count ---
     steps_per_epoch = batches.steps_per_epoch(run.train_loader, accumulation)  # None: a stream has no length
@@ -134,7 +134,7 @@ def train(config: TrainConfig) -> dict:
 
     # --- resume: weights, optimiser, scheduler and RNG from the checkpoint ---
     state = checkpoint.TrainerState(
-        global_batch=batch, world_size=accelerator.num_processes, strategy=strategy.strategy_of(model)
+        global_batch=global_batch, world_size=accelerator.num_processes, strategy=strategy.strategy_of(model)
     )
     features.installed().before_resume(accelerator, config)  # e.g. a newer checkpoint fetched from object storage
     state, resumed = checkpoint.resume(accelerator, config, state)  # --resume_from_checkpoint: the checkpoint's state
@@ -147,7 +147,7 @@ def train(config: TrainConfig) -> dict:
     run_dir.prepare_output_dir(accelerator, config, resume_step=state.step if resumed else None)
     features.installed().on_start(accelerator, config, resumed)
     state.tracker_run_id = tracking.start_tracking(accelerator, config, resume_run_id=state.tracker_run_id)
-    tracking.log_metrics(accelerator, tracking.setup_metrics(accelerator, model, config, batch), step=state.step)
+    tracking.log_metrics(accelerator, tracking.setup_metrics(accelerator, model, config, global_batch), step=state.step)
 
     # --- train ---
     step, eval_metrics = state.step, {}  # eval_metrics: the latest evaluation's
@@ -257,6 +257,7 @@ def evaluate_and_predict(config: TrainConfig) -> dict:
     """`--do_train false`: evaluate and/or predict with a saved model (--model_name_or_path, by default the run's
     model/). Reads only the splits it uses; writes only eval_results.json and predictions.jsonl."""
     config = final_model.model_to_evaluate(config)  # a run's folder: its own model, never another's results there
+    run_dir.check_writable(Path(config.output_dir))  # said now, not after the evaluation
     run = set_up(config, training=False)  # no trackers: the results go to eval_results.json
     logger.info("using the model in %s; nothing is trained", config.model_name_or_path)
     with tasks.task_errors(run.task):

@@ -13,7 +13,7 @@ import yaml
 from jsonargparse import ActionConfigFile, ArgumentParser
 
 from src.config import TrainConfig, field_help
-from src.errors import UsageError, one_line
+from src.errors import UsageError, one_line, show_tracebacks
 from src.features import option_classes, options_of
 from src.run_dir import CHECKPOINTS_DIR, CONFIG_FILE, MODEL_DIR, STATE_FILE
 from src.tasks import BUILT_IN, parse_task_options, task_class, task_name
@@ -27,8 +27,10 @@ FROM_THE_RUN += ("mixed_precision", "seed")
 def parse_config(argv: "list[str] | TrainConfig | None") -> TrainConfig:
     """Defaults <- --config YAML <- flags, type-checked, else UsageError; argv None: sys.argv; TrainConfig: resolved."""
     if isinstance(argv, TrainConfig):
+        show_tracebacks(argv.debug)
         return resolve(argv)
     argv = sys.argv[1:] if argv is None else argv
+    show_tracebacks(str(setting(argv, "debug")).lower() in ("true", "yes", "1"))  # before anything can fail
     run, run_config = run_to_evaluate(argv)
     name = find_task_name(argv, default=run_config.get("task", TrainConfig.task))
     cls = task_class(name)

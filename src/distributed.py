@@ -84,7 +84,7 @@ def slow_cpu_setup(config: TrainConfig) -> list[str]:
     if precision == "bf16" and not cpu_has_bf16():
         found.append(
             "bf16 mixed precision on a CPU without bf16 instructions (AVX512-BF16, AMX): emulated, many times slower "
-            "than float32 (configs/lm.yaml: 15-20x, docs/sharded.md); --mixed_precision no trains in float32"
+            "than float32 (docs/sharded.md); --mixed_precision no trains in float32"
         )
     return found
 

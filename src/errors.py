@@ -89,13 +89,23 @@ def let_threads_settle(num_processes: int | None = None) -> None:
         time.sleep(0.05)
 
 
+_show_tracebacks = False
+
+
+def show_tracebacks(on: bool) -> None:
+    """--debug true: command_line raises instead of saying one line; src/cli.py sets it from the command line and
+    --config files before it parses them (their own errors too)."""
+    global _show_tracebacks
+    _show_tracebacks = on
+
+
 def command_line(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except RunStopped as err:
-            debug = "--debug" in sys.argv[1:] or os.environ.get("TRAIN_DEBUG", "") not in ("", "0")
+            debug = _show_tracebacks or os.environ.get("TRAIN_DEBUG", "") not in ("", "0")
             if debug and not isinstance(err, TrainingPreempted):  # preempted: exit 75 all the same, for the requeue
                 raise
             line = f"{err.prefix}: {err}"

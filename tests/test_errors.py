@@ -109,9 +109,23 @@ def test_bad_input(case, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags, env", [(["--debug", "true"], {}), ([], {"TRAIN_DEBUG": "1"})], ids=["flag", "env"])
+@pytest.mark.parametrize(
+    "flags, env",
+    [
+        (["--debug", "true"], {}),
+        ([], {"TRAIN_DEBUG": "1"}),
+        (["--config", "debug.yaml"], {}),
+        (["--debug", "false"], {}),
+    ],
+    ids=["flag", "env", "config file", "false"],
+)
 def test_debug_shows_the_traceback(tmp_path, flags, env):
-    result = run_main("--max_steps", "0", *flags, env=env)
+    """--debug true on the command line or in a --config file (the error in the same file), or TRAIN_DEBUG=1."""
+    (tmp_path / "debug.yaml").write_text("debug: true\nmax_steps: 0\n")
+    result = run_main("--max_steps", "0", *flags, env=env, cwd=tmp_path)
+    if "false" in flags:
+        assert_error_line(result, r"--max_steps must be > 0")  # one line: false is false
+        return
     assert result.returncode != 0 and "Traceback (most recent call last)" in result.stderr
     assert "src.errors.UsageError: --max_steps must be > 0" in result.stderr  # the error itself, raised
 
@@ -151,6 +165,9 @@ def test_an_output_dir_that_cannot_be_written_is_one_line(tmp_path, monkeypatch)
     for output_dir in (tmp_path / "file", tmp_path / "file" / "run"):
         result = run_main(*QUICK, "--output_dir", str(output_dir))
         assert_error_line(result, rf"--output_dir {output_dir}: {tmp_path / 'file'} is a file, not a folder; choose")
+    evaluating = ["--do_train", "false", "--model_name_or_path", str(tmp_path / "model")]  # (read after the check)
+    result = run_main(*evaluating, "--output_dir", str(tmp_path / "file" / "run"))  # evaluation: before it, too
+    assert_error_line(result, rf"--output_dir {tmp_path / 'file' / 'run'}: {tmp_path / 'file'} is a file, not a")
     access = os.access
     monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != tmp_path and access(path, mode))  # as non-root
     result = run_main(*QUICK, "--output_dir", str(tmp_path / "new" / "run"))
