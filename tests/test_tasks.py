@@ -112,6 +112,16 @@ def test_task_names_resolve_to_classes(task_module, toy):
     ]
 
 
+def test_a_mistyped_module_of_the_users_package_is_suggested(tmp_path, monkeypatch):
+    (tmp_path / "my_pkg").mkdir()
+    (tmp_path / "my_pkg" / "__init__.py").write_text("")
+    (tmp_path / "my_pkg" / "my_task.py").write_text(TOY_TASK)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UsageError, match=r"unknown --task 'my_pkg\.my_taks'; did you mean my_pkg\.my_task\? use"):
+        task_class("my_pkg.my_taks")
+    sys.modules.pop("my_pkg", None)
+
+
 def test_a_mistyped_task_names_the_users_task_in_src_tasks(tmp_path, monkeypatch):
     """A task of one's own in src/tasks/ (here a folder added to the package's path), asked for by its bare name or
     with a typo in its path: the error names its path."""

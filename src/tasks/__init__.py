@@ -52,6 +52,9 @@ def did_you_mean(name: str) -> str:
     close = difflib.get_close_matches(name, [*BUILT_IN, *modules], n=1) or [
         by_name[found] for found in difflib.get_close_matches(name.rpartition(".")[2], by_name, n=1)
     ]
+    package = name.rpartition(".")[0]  # my_pkg.my_taks: a module of the user's package my_pkg
+    if not close and package and hasattr(parent := import_module(package), "__path__"):
+        close = difflib.get_close_matches(name, [f"{package}.{m.name}" for m in pkgutil.iter_modules(parent.__path__)])
     return f"did you mean {close[0]}? " if close else ""
 
 
