@@ -177,7 +177,7 @@ def train(config: TrainConfig) -> dict:
                     eval_metrics = evaluate(task, model, eval_loader, metric, accelerator)
                 new_best, stop_early = best.update(eval_metrics, step)
                 total_steps = step if stop_early else total_steps  # then the final checkpoint and model follow
-            if step % config.logging_steps == 0 or step == total_steps:  # an early stop's last steps too
+            if log_next or step == total_steps:  # an early stop's last steps too
                 epoch = step / steps_per_epoch if steps_per_epoch else position.epoch
                 logged = meter.log_step(step, lr_scheduler.get_last_lr()[0], grad_norm, epoch)
                 tracking.log_metrics(accelerator, logged, step)

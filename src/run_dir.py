@@ -83,7 +83,7 @@ def prepare_output_dir(accelerator, config: TrainConfig, resume_step: int | None
 
 
 def logged_step(line: str) -> int | None:
-    """The step of a metrics.jsonl line; None for a line cut short."""
+    """The step of a metrics.jsonl line; None for a line cut short (or not one of ours)."""
     try:
         return json.loads(line)["step"]
     except (ValueError, KeyError, TypeError):
@@ -95,10 +95,8 @@ def trained_any_step(output_dir: Path) -> bool:
     if (output_dir / CHECKPOINTS_DIR).is_dir() or (output_dir / MODEL_DIR).exists():
         return True
     path = output_dir / METRICS_FILE
-    try:
-        return path.is_file() and any(json.loads(line).get("step", 0) > 0 for line in path.read_text().splitlines())
-    except ValueError:
-        return True  # a line that is not ours to judge: keep the run
+    steps = [logged_step(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return any(step is None or step > 0 for step in steps)  # None: a line not ours to judge, so the run is kept
 
 
 def remove(path: Path) -> None:
