@@ -244,24 +244,28 @@ def run_forked(script: Path, args: list[str], environments: list[dict], cwd: Pat
     ]
     for process in processes:
         process.start()
+    codes: list[int | None] = [None] * len(processes)
     deadline, failed, first_failure = time.monotonic() + timeout, False, 0
-    while not failed and any(process.exitcode is None for process in processes):
-        wait([p.sentinel for p in processes if p.exitcode is None], timeout=max(0.0, deadline - time.monotonic()))
-        first_failure = next((process.exitcode for process in processes if process.exitcode), 0)  # before any kill
+    while not failed and None in codes:
+        waiting = [process.sentinel for process, code in zip(processes, codes, strict=True) if code is None]
+        wait(waiting, timeout=min(REPORT_GRACE, max(0.0, deadline - time.monotonic())))
+        codes = [code if code is not None else exit_status(process, folder / str(i))
+                 for i, (process, code) in enumerate(zip(processes, codes, strict=True))]  # fmt: skip
+        first_failure = next((code for code in codes if code), 0)  # before any kill
         failed = bool(first_failure) or time.monotonic() > deadline
     timed_out = not first_failure and failed
     # beside `exitcode`, which the fork server reports: ended with no stacks written, only the report was late
     running = [running_at(process.pid) for process in processes] if timed_out else []
     if timed_out:  # where each process is, into its stderr (run_as_script's faulthandler), before it is killed
-        for process in processes:
-            if process.exitcode is None:
+        for process, code in zip(processes, codes, strict=True):
+            if code is None:
                 os.kill(process.pid, STACKS_SIGNAL)
         time.sleep(2)
-    for process in processes:  # the others, once one failed (or the time is up)
-        if process.exitcode is None:
+    for i, process in enumerate(processes):  # the others, once one failed (or the time is up)
+        if codes[i] is None:
             process.kill()
-        process.join()
-    codes = [process.exitcode for process in processes]
+            process.join(REPORT_GRACE)
+            codes[i] = process.exitcode
     outputs = [[read_if_there(folder / str(i) / name) for i in range(len(processes))] for name in ("out", "err")]
     shutil.rmtree(folder)
     if timed_out:
@@ -274,6 +278,17 @@ def run_forked(script: Path, args: list[str], environments: list[dict], cwd: Pat
 
 
 STACKS_SIGNAL = signal.SIGUSR2  # not the template's: SIGTERM and SIGUSR1 preempt a run
+REPORT_GRACE = 2.0  # seconds between looks at a process's own exit file (exit_status)
+
+
+def exit_status(process, folder: Path) -> int | None:
+    """The exit status of a forked process, None while it runs: the fork server's report (`exitcode`), or, once the
+    process has ended without one, the status it wrote itself (run_as_script's `exit` file). CI saw two finished ranks
+    whose report came only after run_forked's 300 s timeout."""
+    if process.exitcode is not None or running_at(process.pid):
+        return process.exitcode
+    own = folder / "exit"
+    return int(own.read_text()) if own.is_file() else None
 
 
 def running_at(pid: int) -> bool:
@@ -370,9 +385,14 @@ def run_as_script(script: str, args: list[str], env: dict, cwd: str, folder: str
     atexit.unregister = lambda function: exit_functions.__setitem__(
         slice(None), [entry for entry in exit_functions if entry[0] != function]
     )
+    status = 1
     try:
         runpy.run_path(script, run_name="__main__")
-    except (SystemExit, KeyboardInterrupt):
+        status = 0
+    except SystemExit as exit:  # multiprocessing's reading of it
+        status = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
+        raise
+    except KeyboardInterrupt:  # multiprocessing prints it, exit status 1
         raise
     except BaseException:  # as the interpreter reports an uncaught exception: its traceback, exit status 1
         traceback.print_exc()
@@ -383,6 +403,8 @@ def run_as_script(script: str, args: list[str], env: dict, cwd: str, folder: str
                 function(*a, **k)
             except Exception:  # the interpreter prints it and goes on
                 traceback.print_exc()
+        (Path(folder) / "exit.tmp").write_text(str(status))  # exit_status's, in case the fork server's report is late
+        os.replace(Path(folder) / "exit.tmp", Path(folder) / "exit")
 
 
 def read_metrics(output_dir: Path) -> list[dict]:

@@ -109,3 +109,22 @@ def test_forked_processes_that_outlive_the_timeout_say_where_they_are(tmp_path):
     message = str(stopped.value)
     assert "timed out after 3 seconds" in message and "in waiting_for_a_peer" in message, message
     assert message.index("process 1, exit code -9") < message.index("in waiting_for_a_peer"), message  # its own
+
+
+def test_forked_processes_whose_report_never_comes_end_on_their_own_status(tmp_path, monkeypatch):
+    """The fork server's report of a process's end can come late (CI saw two finished ranks reported only after the
+    300 s timeout): run_forked then reads the status each process wrote itself, once it no longer runs. Here the
+    report never comes: `exitcode` stays None and the sentinel is a pipe nobody writes."""
+    from multiprocessing.process import BaseProcess
+
+    pipes = {}  # a pipe nobody writes, for each process
+    monkeypatch.setattr(BaseProcess, "exitcode", property(lambda self: None))
+    monkeypatch.setattr(BaseProcess, "sentinel", property(lambda self: pipes.setdefault(id(self), os.pipe())[0]))
+    script = tmp_path / "ends.py"
+    script.write_text("import os, sys\nsys.exit(int(os.environ['RANK']) * 3)\n")
+    environments = [command_env({"RANK": str(rank)}) for rank in range(2)]
+    try:
+        assert run_forked(script, [], environments, cwd=REPO, timeout=60).returncode == 3
+    finally:
+        for fd in (fd for pipe in pipes.values() for fd in pipe):
+            os.close(fd)
