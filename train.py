@@ -34,6 +34,7 @@ from src import (
     loaders,
     meters,
     optim,
+    preemption,
     run_dir,
     strategy,
     tasks,
@@ -43,7 +44,6 @@ from src.best import BestEvaluation
 from src.cli import parse_config
 from src.config import TrainConfig
 from src.metrics import Metric, load_metrics
-from src.preemption import PreemptionSignals
 
 logger = logging.getLogger("train")
 
@@ -53,6 +53,12 @@ def main(args: list[str] | TrainConfig | None = None) -> dict:
     config = parse_config(args)
     if not config.do_train:
         return evaluate_and_predict(config)
+    with preemption.noted_from_the_start():  # a job preempted as it sets up checkpoints at its first step
+        return train_with_batch_size(config)
+
+
+def train_with_batch_size(config: TrainConfig) -> dict:
+    """train(config), or with --auto_find_batch_size the largest per-device batch that fits, halving it after OOM."""
     if not config.auto_find_batch_size:
         return train(config)
     first = per_device = config.per_device_train_batch_size
@@ -161,7 +167,7 @@ def train(config: TrainConfig) -> dict:
     norm_every_step = bool(config.max_grad_norm or config.skip_nonfinite_batches)  # else at log steps only
     model.train()
     # SIGTERM/SIGUSR1 -> checkpoint (handlers restored however we leave); an error in the task's code -> one line
-    with PreemptionSignals(accelerator) as preemption, tasks.task_errors(task):
+    with preemption.PreemptionSignals(accelerator) as signals, tasks.task_errors(task):
         for window in windows:
             log_next = (step + 1) % config.logging_steps == 0 or step + 1 == total_steps
             measure_norm = norm_every_step or log_next
@@ -183,7 +189,7 @@ def train(config: TrainConfig) -> dict:
                 tracking.log_metrics(accelerator, logged, step)
             if evaluate_now:
                 tracking.log_metrics(accelerator, eval_metrics, step)  # after the step's train line
-            preempted = preemption.requested(step)
+            preempted = signals.requested(step)
             if preempted or new_best or step == total_steps or (config.save_steps and step % config.save_steps == 0):
                 state.step, state.preempted = step, preempted
                 meter.save_to(state)

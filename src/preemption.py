@@ -84,6 +84,26 @@ def watch() -> None:
     os._exit(EXIT_LAUNCHER_GONE)
 
 
+_noted_early = threading.Event()  # a signal before the training loop's PreemptionSignals, kept for it
+
+
+@contextlib.contextmanager
+def noted_from_the_start():
+    """SIGTERM/SIGUSR1 that come before the training loop (a job preempted as it reads its data or builds its model)
+    are kept for it: it checkpoints at its first agreed step, so that a requeued job is requeued again (a killed one
+    saves nothing: scripts/slurm/requeue_if_preempted.sh would end the chain). The handlers before are put back."""
+    previous = {}
+    for name in ("SIGTERM", "SIGUSR1"):
+        with contextlib.suppress(ValueError, AttributeError):  # ValueError off the main thread: no handler
+            previous[name] = signal.signal(getattr(signal, name), lambda *_: _noted_early.set())
+    try:
+        yield
+    finally:
+        for name, handler in previous.items():
+            signal.signal(getattr(signal, name), handler)
+        _noted_early.clear()
+
+
 class PreemptionSignals(contextlib.AbstractContextManager):
     """Processes may be signalled at different steps: every `every`-th step starts a background gloo all-reduce of the
     flag and reads the one started `every` steps earlier, so all agree at the same step and none waits."""
@@ -94,7 +114,7 @@ class PreemptionSignals(contextlib.AbstractContextManager):
 
     def __init__(self, accelerator):
         self.alone = accelerator.num_processes == 1
-        self.received, self.previous = False, {}  # previous: the handlers replaced, restored on exit
+        self.received, self.previous = _noted_early.is_set(), {}  # previous: the handlers replaced, restored on exit
         for name in ("SIGTERM", "SIGUSR1"):
             with contextlib.suppress(ValueError, AttributeError):  # ValueError off the main thread: no handler
                 self.previous[name] = signal.signal(getattr(signal, name), self.handle)

@@ -148,6 +148,22 @@ def test_preemption_signal_on_one_process_saves_and_exits_75(preempted_then_kill
     assert left["checkpoints"] == ["step_5"] and not left["model"]
 
 
+def test_a_signal_while_the_run_sets_up_is_kept_for_its_first_step(tmp_path):
+    """A job preempted as it starts (SIGTERM while it builds its task: reading data, building the model) saves a
+    preemption checkpoint at its first step and exits 75, as a signal in the loop does; before, the signal killed it
+    unsaved and the sbatch scripts' requeue chain ended there."""
+    out = tmp_path / "run"
+    early = (
+        "import src.tasks\nbuild_task = src.tasks.build_task\n"
+        "src.tasks.build_task = lambda config: os.kill(os.getpid(), signal.SIGTERM) or build_task(config)"
+    )
+    result = run_with_hook(tmp_path, [*QUICK, "--output_dir", str(out)], extra=early)
+    assert result.returncode == EXIT_PREEMPTED, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith("preempted: checkpoint")
+    state = json.loads((out / "checkpoints/step_1/trainer_state.json").read_text())
+    assert state["step"] == 1 and state["preempted"] is True and not (out / "model").exists()
+
+
 def alive(pid: int) -> bool:
     import psutil
 
