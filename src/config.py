@@ -175,7 +175,8 @@ def resolve_global_batch(config: TrainConfig, num_processes: int) -> int:
     per_step = config.per_device_train_batch_size * num_processes
     if config.global_batch_size % per_step:
         share, uneven = divmod(config.global_batch_size, num_processes)  # uneven: no per-device batch can divide it
-        fits = [size for size in range(config.per_device_train_batch_size, 0, -1) if not uneven and share % size == 0]
+        sizes = [] if uneven else range(config.per_device_train_batch_size, 0, -1)
+        fits = [size for size in sizes if share % size == 0]
         raise UsageError(
             f"--global_batch_size {config.global_batch_size} is not divisible by per-device batch "
             f"{config.per_device_train_batch_size} x {num_processes} processes = {per_step}; set --global_batch_size "

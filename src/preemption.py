@@ -92,16 +92,26 @@ def noted_from_the_start():
     """SIGTERM/SIGUSR1 that come before the training loop (a job preempted as it reads its data or builds its model)
     are kept for it: it checkpoints at its first agreed step, so that a requeued job is requeued again (a killed one
     saves nothing: scripts/slurm/requeue_if_preempted.sh would end the chain). The handlers before are put back."""
-    previous = {}
-    for name in ("SIGTERM", "SIGUSR1"):
-        with contextlib.suppress(ValueError, AttributeError):  # ValueError off the main thread: no handler
-            previous[name] = signal.signal(getattr(signal, name), lambda *_: _noted_early.set())
+    previous = set_preemption_handler(lambda *_: _noted_early.set())
     try:
         yield
     finally:
-        for name, handler in previous.items():
-            signal.signal(getattr(signal, name), handler)
+        restore_handlers(previous)
         _noted_early.clear()
+
+
+def set_preemption_handler(handler) -> dict:
+    """`handler` for SIGTERM and SIGUSR1 from now on (none off the main thread); returns the handlers it replaced."""
+    previous = {}
+    for name in ("SIGTERM", "SIGUSR1"):
+        with contextlib.suppress(ValueError, AttributeError):  # ValueError off the main thread: no handler
+            previous[name] = signal.signal(getattr(signal, name), handler)
+    return previous
+
+
+def restore_handlers(previous: dict) -> None:
+    for name, handler in previous.items():
+        signal.signal(getattr(signal, name), handler)
 
 
 class PreemptionSignals(contextlib.AbstractContextManager):
@@ -114,12 +124,12 @@ class PreemptionSignals(contextlib.AbstractContextManager):
 
     def __init__(self, accelerator):
         self.alone = accelerator.num_processes == 1
-        self.received, self.previous = _noted_early.is_set(), {}  # previous: the handlers replaced, restored on exit
-        for name in ("SIGTERM", "SIGUSR1"):
-            with contextlib.suppress(ValueError, AttributeError):  # ValueError off the main thread: no handler
-                self.previous[name] = signal.signal(getattr(signal, name), self.handle)
+        self.received = False
+        self.previous = set_preemption_handler(self.handle)  # the handlers replaced, restored on exit
         _launcher_listeners.append(self.handle)
-        if _launcher_gone.is_set():  # the watch may have read its listeners already
+        # the watch may have read its listeners already; a signal before the loop (noted_from_the_start) is read
+        # only once this handler has taken over, so none falls between the two
+        if _launcher_gone.is_set() or _noted_early.is_set():
             self.handle()
         if not self.alone:
             self.group = torch.distributed.new_group(backend="gloo")  # a CPU flag: no device sync per step
@@ -164,5 +174,4 @@ class PreemptionSignals(contextlib.AbstractContextManager):
         _launcher_listeners.remove(self.handle)
         if error_type is None and not self.alone and self.pending is not None:
             self.pending.wait()  # the last all-reduce in flight (not after an error: a peer may be gone)
-        for name, handler in self.previous.items():
-            signal.signal(getattr(signal, name), handler)
+        restore_handlers(self.previous)
