@@ -3,7 +3,8 @@
 python scripts/remove_feature.py NAME            # delete NAME's files from this checkout
 python scripts/remove_feature.py --keep NAME     # delete every feature but NAME and those it requires
 python scripts/remove_feature.py --check NAME    # in a copy without them: the remaining tests collect, the
-                                                 # core's quick tests and ruff pass, short runs train
+                                                 # core's quick tests (a short run) and ruff pass, and where code
+                                                 # under src/ went, a 2-process launch trains
 python scripts/remove_feature.py --check --each  # that check for every feature in turn, 2 at a time (CI runs it)
 python scripts/remove_feature.py --list          # the features and what each is for
 """
@@ -27,8 +28,9 @@ sys.path.insert(0, str(REPO))  # run as a script: scripts/ is on the path, not t
 from scripts.launch import free_port  # noqa: E402
 
 SHORT_RUN = ["--max_steps", "4", "--logging_steps", "2", "--eval_steps", "4", "--max_eval_samples", "64"]
-# The core's quick tests, run in every copy (`pytest -k`: the modules' names): the command line and config, the tasks
-CORE_QUICK_TESTS = "test_config or test_tasks"
+# The core's quick tests, run in every copy (`pytest -k`: the modules' files): the command line and config (with a short
+# run of train.py's main in the test process: tests/test_config.py), the tasks
+CORE_QUICK_TESTS = "test_config.py or test_tasks.py"
 
 
 def manifest() -> dict:
@@ -203,25 +205,26 @@ def check(names: list[str], tests: str) -> int:
         steps = {}
         if tests == "none":  # (a test run below collects every remaining module itself, slow ones included)
             quick = ["-n", "0", "-m", "not slow", "-k", CORE_QUICK_TESTS]
-            steps["the remaining tests collect, the core's quick tests pass"] = [*pytest, *quick]
+            steps["the remaining tests collect, the core's quick tests (a short run too) pass"] = [*pytest, *quick]
         steps["ruff"] = [sys.executable, "-m", "ruff", "check", "."]
-        one = root / "runs/one"
-        steps["python train.py"] = [sys.executable, "train.py", *SHORT_RUN, "--output_dir", str(one)]
-        # Code under src/ went: a 2-process run too. (Files elsewhere, scripts and configs, are imported by no run:
-        # tests/test_layout.py proves the core imports no feature.)
+        # Code under src/ went: a 2-process run too, whose config.yaml must hold none of its options. (Files elsewhere,
+        # scripts and configs, are imported by no run: tests/test_layout.py proves the core imports no feature.)
+        launched = root / "runs/two"
         if any(path.is_relative_to(root / "src") for path in removed):
             port = ["--main_process_port", str(free_port())]  # not 29500: checks run two at a time (--each)
-            two = [*launch, *port, "--num_processes", "2", "train.py", *SHORT_RUN, "--output_dir", "runs/two"]
+            two = [*launch, *port, "--num_processes", "2", "train.py", *SHORT_RUN, "--output_dir", str(launched)]
             steps["a 2-process launch"] = two
         if tests != "none":
-            selection = ["-m", "not slow"] if tests == "fast" else []
+            # the fast tier in one process (tests/test_lean_core.py runs it inside the suite, whose workers keep the
+            # cores busy): pytest-xdist's workers would each import and collect it all again, ~18 CPU-s (2026-12-05)
+            selection = ["-n", "0", "-m", "not slow"] if tests == "fast" else []
             steps[f"the remaining tests ({tests})"] = [*pytest, *selection]
         for what, command in steps.items():
             result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=3600)
             left = []
-            if what == "python train.py" and result.returncode == 0:
+            if what == "a 2-process launch" and result.returncode == 0:
                 # its config.yaml holds every option there is: none of the removed features' may be left
-                saved = yaml.safe_load((one / "config.yaml").read_text())
+                saved = yaml.safe_load((launched / "config.yaml").read_text())
                 left = [option for option in options if option in saved]
             if result.returncode != 0 or left:
                 print(f"without {name}: {what} failed (exit {result.returncode}; options left: {left})\n"

@@ -6,7 +6,9 @@ import yaml
 from src.cli import parse_config, resolve
 from src.config import TrainConfig, resolve_global_batch
 from src.errors import UsageError
-from tests.conftest import REPO
+from src.features import option_classes
+from src.tasks.digits import Digits
+from tests.conftest import REPO, assert_ok, read_metrics, run_main
 
 
 def test_yaml_then_command_line_override(tmp_path):
@@ -98,3 +100,17 @@ def test_every_yaml_file_parses():
             continue  # search spaces: tests/test_sweep.py
         base = [] if "task" in yaml.safe_load(path.read_text()) else ["--config", str(REPO / "configs/default.yaml")]
         parse_config([*base, "--config", str(path)])
+
+
+def test_a_short_run_trains_and_saves_the_options_there_are_and_no_other(tmp_path):
+    """`python train.py` for 4 steps (train.py's main, in this process): it trains and evaluates, and its config.yaml
+    holds the run's fields, the digits task's options and the installed features' options, nothing else. (In a copy
+    without a feature, scripts/remove_feature.py --check runs this as its short run.)"""
+    out = tmp_path / "run"
+    short = ["--max_steps", "4", "--logging_steps", "2", "--eval_steps", "4", "--max_eval_samples", "64"]
+    assert_ok(run_main(*short, "--output_dir", str(out)))
+    assert read_metrics(out)[-1]["step"] == 4 and read_metrics(out)[-1]["eval/num_samples"] == 64
+    saved = set(yaml.safe_load((out / "config.yaml").read_text()))
+    run_fields = {field.name for field in dataclasses.fields(TrainConfig)} - {"task_args", "feature_args"}
+    features = {field.name for options in option_classes() for field in dataclasses.fields(options)}
+    assert saved == run_fields | {field.name for field in dataclasses.fields(Digits.Options)} | features
