@@ -125,6 +125,7 @@ def train(config: TrainConfig) -> dict:
     features.installed().check(config)  # src/features/: each feature's bad input said before training, not after
     run_dir.refuse_to_replace(config, resuming=bool(config.resume_from_checkpoint))  # before the data is read
     run = set_up(config, training=True)
+    BestEvaluation.check_logged(config, run.task, run.metric)  # a misspelt watched metric: said before any step
     accelerator, task, model, metric, eval_loader = run.accelerator, run.task, run.model, run.metric, run.eval_loader
     accumulation = accelerator.gradient_accumulation_steps
     global_batch = loaders.global_batch(config, accelerator)  # the same on any process count

@@ -8,6 +8,7 @@ import math
 from src.checkpoint import TrainerState
 from src.config import TrainConfig
 from src.errors import UsageError
+from src.metrics import Metric, known_keys
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,22 @@ class BestEvaluation:
             logger.info("early stopping after %d evaluations without a %s %s (--early_stopping_mode %s: %s)",
                         config.early_stopping_patience, better, config.early_stopping_metric, flip,
                         "higher" if flip == "max" else "lower")  # fmt: skip
+
+    @staticmethod
+    def check_logged(config: TrainConfig, task, metric: Metric | None) -> None:
+        """A watched metric that no evaluation will log (a misspelt `--metric_for_best_model`), refused before training
+        where the eval keys are known: the built-in metrics' and the task's derived ones. Else the first evaluation
+        says it."""
+        keys = known_keys(metric)
+        if keys is None:
+            return
+        scores = {"eval/loss": 1.0, **{f"eval/{key}": 0.5 for key in keys}}
+        try:
+            logged = {**scores, **task.derived_metrics(scores), "eval/num_samples": 1}  # derived from made-up scores
+        except Exception:  # the task's own code on made-up scores: its keys are left for the first evaluation to find
+            return
+        for flag, name in watched_flags(config):
+            watched(logged, name, flag)
 
     def update(self, metrics: dict, step: int) -> tuple[bool, bool]:
         """(a new best model: checkpoint it, stop training here)."""
@@ -71,6 +88,14 @@ def closest_key(metric: str, keys) -> str | None:
     names = {key.removeprefix("eval/"): key for key in keys}
     close = difflib.get_close_matches(metric.removeprefix("eval/"), names, n=1)
     return names[close[0]] if close else None
+
+
+def watched_flags(config: TrainConfig) -> list[tuple[str, str]]:
+    """(flag, eval key) of each metric a training run watches."""
+    watching = [("--metric_for_best_model", config.metric_for_best_model)] if config.metric_for_best_model else []
+    if config.early_stopping_patience:
+        watching.append(("--early_stopping_metric", config.early_stopping_metric))
+    return watching
 
 
 def watched(metrics: dict, metric: str, flag: str) -> float:
