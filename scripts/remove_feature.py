@@ -3,13 +3,16 @@
 python scripts/remove_feature.py NAME            # delete NAME's files from this checkout
 python scripts/remove_feature.py --keep NAME     # delete every feature but NAME and those it requires
 python scripts/remove_feature.py --check NAME    # in a copy without them: the remaining tests collect, the
-                                                 # core's quick tests (a short run) and ruff pass, and where code
-                                                 # under src/ went, a 2-process launch trains
-python scripts/remove_feature.py --check --each  # that check for every feature in turn, 2 at a time (CI runs it)
+                                                 # core's quick tests (a short run) and ruff pass, none of their
+                                                 # options is left, and where code under src/ went, a 2-process
+                                                 # launch trains
+python scripts/remove_feature.py --check --each  # that check for every feature in turn, 2 at a time, without the
+                                                 # 2-process launch (CI runs it)
 python scripts/remove_feature.py --list          # the features and what each is for
 """
 
 import argparse
+import ast
 import contextlib
 import os
 import re
@@ -168,12 +171,18 @@ def copy_of_repo(destination: Path) -> Path:
         skipped = shutil.ignore_patterns(".git", ".venv", "runs", "__pycache__", ".*_cache", "wandb")
         shutil.copytree(REPO, destination, ignore=skipped, dirs_exist_ok=True)
         return destination
-    for name in filter(None, listed.stdout.split("\0")):
+    names = list(filter(None, listed.stdout.split("\0")))
+    for name in names:
         source = REPO / name
         if source.is_file():
             target = destination / name
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, target)
+    # and the bytecode compiled for them, so that the copy's processes don't compile it all again (~2 CPU-s each): a
+    # .pyc holds its source's time and size (copy2 keeps both), so a file changed since is compiled afresh
+    for folder in {Path(name).parent for name in names if name.endswith(".py")}:
+        if (REPO / folder / "__pycache__").is_dir() and (destination / folder).is_dir():
+            shutil.copytree(REPO / folder / "__pycache__", destination / folder / "__pycache__", dirs_exist_ok=True)
     return destination
 
 
@@ -189,9 +198,9 @@ def feature_options(name: str) -> list[str]:
     return [field.name for field in dataclasses.fields(options)] if options else []
 
 
-def check(names: list[str], tests: str) -> int:
+def check(names: list[str], tests: str, launch: bool = True) -> int:
     """Remove `names` in a copy, then run what must still work there; 0 when all of it does. `tests`: none, or the
-    remaining suite's fast tier or all of it too."""
+    remaining suite's fast tier or all of it too; `launch`: a 2-process launch too, where code under src/ went."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
     env.pop("PYTHONDONTWRITEBYTECODE", None)  # what the copy's processes import is compiled once, not by each
     options = [option for name in names for option in feature_options(name)]
@@ -200,20 +209,22 @@ def check(names: list[str], tests: str) -> int:
         root = copy_of_repo(Path(folder))
         removed = remove_all(names, root)
         print(f"without {name}: removed {', '.join(str(p.relative_to(root)) for p in removed)}", flush=True)
+        if left := fields_named(options, root):
+            print(f"without {name}: its options are left: {', '.join(left)}", file=sys.stderr)
+            return 1
         pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-        launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/ddp.yaml"]
+        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/ddp.yaml"]
         steps = {}
         if tests == "none":  # (a test run below collects every remaining module itself, slow ones included)
             quick = ["-n", "0", "-m", "not slow", "-k", CORE_QUICK_TESTS]
             steps["the remaining tests collect, the core's quick tests (a short run too) pass"] = [*pytest, *quick]
         steps["ruff"] = [sys.executable, "-m", "ruff", "check", "."]
-        # Code under src/ went: a 2-process run too, whose config.yaml must hold none of its options. (Files elsewhere,
-        # scripts and configs, are imported by no run: tests/test_layout.py proves the core imports no feature.)
-        launched = root / "runs/two"
-        if any(path.is_relative_to(root / "src") for path in removed):
-            port = ["--main_process_port", str(free_port())]  # not 29500: checks run two at a time (--each)
-            two = [*launch, *port, "--num_processes", "2", "train.py", *SHORT_RUN, "--output_dir", str(launched)]
-            steps["a 2-process launch"] = two
+        # Code under src/ went: a 2-process run too. (Files elsewhere, scripts and configs, are imported by no run:
+        # tests/test_layout.py proves the core imports no feature.)
+        if launch and any(path.is_relative_to(root / "src") for path in removed):
+            port = ["--main_process_port", str(free_port())]  # not 29500: other checks may run beside this one
+            steps["a 2-process launch"] = [*launcher, *port, "--num_processes", "2", "train.py", *SHORT_RUN,
+                                           "--output_dir", str(root / "runs/two")]  # fmt: skip
         if tests != "none":
             # the fast tier in one process (tests/test_lean_core.py runs it inside the suite, whose workers keep the
             # cores busy): pytest-xdist's workers would each import and collect it all again, ~18 CPU-s (2026-12-05)
@@ -221,27 +232,34 @@ def check(names: list[str], tests: str) -> int:
             steps[f"the remaining tests ({tests})"] = [*pytest, *selection]
         for what, command in steps.items():
             result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=3600)
-            left = []
-            if what == "a 2-process launch" and result.returncode == 0:
-                # its config.yaml holds every option there is: none of the removed features' may be left
-                saved = yaml.safe_load((launched / "config.yaml").read_text())
-                left = [option for option in options if option in saved]
-            if result.returncode != 0 or left:
-                print(f"without {name}: {what} failed (exit {result.returncode}; options left: {left})\n"
+            if result.returncode != 0:
+                print(f"without {name}: {what} failed (exit {result.returncode})\n"
                       f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}", file=sys.stderr)  # fmt: skip
                 return 1
             print(f"without {name}: {what}: ok", flush=True)
     return 0
 
 
-def check_each(names: list[str], jobs: int) -> int:
+def fields_named(names: list[str], root: Path) -> list[str]:
+    """Where a class under `root`'s src/ or train.py still declares a field of `names` (e.g. a removed feature's
+    option left in TrainConfig, a dead flag and config.yaml key): "path: name" each."""
+    found = []
+    for path in [root / "train.py", *sorted(root.glob("src/**/*.py"))]:
+        classes = [node for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)]
+        declared = [item.target.id for node in classes for item in node.body
+                    if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)]  # fmt: skip
+        found += [f"{path.relative_to(root)}: {field}" for field in declared if field in names]
+    return found
+
+
+def check_each(names: list[str], jobs: int, launch: bool) -> int:
     """`check` without each of `names` in turn (with the features that require it), `jobs` at a time, each in a
     process of its own; 0 when every one passes. One line each, in `names`' order; a failure's output follows it."""
     import concurrent.futures
 
     def one(name: str) -> tuple[str, int, str, float]:
         start = time.perf_counter()
-        command = [sys.executable, __file__, "--check", name]
+        command = [sys.executable, __file__, "--check", "--launch" if launch else "--no-launch", name]
         result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
         return name, result.returncode, result.stdout + result.stderr, time.perf_counter() - start
 
@@ -265,6 +283,9 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="prove in a copy that removing them is safe")
     parser.add_argument("--tests", choices=["none", "fast", "all"], default="none", help="--check: run these too")
     parser.add_argument("--each", action="store_true", help="--check: each feature (or NAME) alone, in turn")
+    parser.add_argument("--launch", action=argparse.BooleanOptionalAction,
+                        help="--check: a 2-process launch too, where code under src/ went (default: yes; with --each, "
+                             "no: each removal's quick tests run train.py's main already)")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=2, help="--each: checks at a time")
     parser.add_argument("--list", action="store_true", help="list the features")
     args = parser.parse_args()
@@ -274,7 +295,7 @@ def main() -> int:
         refuse("--each goes with --check: `--check --each` checks the removal of each feature in turn")
     if args.each:
         with_dependents(args.names)  # an unknown name refused
-        return check_each(args.names or list(manifest()), max(1, args.jobs))
+        return check_each(args.names or list(manifest()), max(1, args.jobs), bool(args.launch))
     if args.keep:
         kept = with_requirements(args.names)
         names = [name for name in manifest() if name not in kept]
@@ -285,7 +306,7 @@ def main() -> int:
             print(f"{name:16} {feature['help']}")
         return 0
     if args.check:
-        return check(names, args.tests)
+        return check(names, args.tests, args.launch is not False)
     for path in remove_all(names, REPO):
         print(f"removed {path.relative_to(REPO)}")
     if args.keep and (install := requirements_install(kept, REPO)):

@@ -139,6 +139,28 @@ def test_removing_a_feature_leaves_nothing_that_needs_it(name):
     assert named == [], f"without {name} these lines name it (mark the line: [feature: {name}])"
 
 
+@pytest.mark.parametrize("name", [name for name in FEATURES if (REPO / "src/features" / name).is_dir()])
+def test_a_features_options_are_declared_in_its_own_package_only(name):
+    """Its options (flags, config.yaml keys) go with it: no class outside its package declares a field of that name
+    (TrainConfig's, another feature's), which `--check` would find left as a dead option."""
+    from scripts.remove_feature import feature_options, fields_named
+
+    options = feature_options(name)
+    elsewhere = [where for where in fields_named(options, REPO) if not where.startswith(f"src/features/{name}/")]
+    assert elsewhere == []
+
+
+@pytest.mark.skipif(not FEATURES, reason="scripts/remove_feature.py went with the last feature")
+def test_the_check_finds_an_option_left_declared_as_a_field(tmp_path):
+    """`--check`'s look for a removed feature's options, shown able to fail: a field left in a class is named."""
+    from scripts.remove_feature import fields_named
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "train.py").write_text("push_to_hub = True  # a variable, not a field\n")
+    (tmp_path / "src/config.py").write_text("class TrainConfig:\n    seed: int = 1\n    push_to_hub: bool = False\n")
+    assert fields_named(["push_to_hub", "hub_model_id"], tmp_path) == ["src/config.py: push_to_hub"]
+
+
 def test_the_static_removal_check_sees_a_top_level_import(tmp_path):
     """The check above, shown able to fail: a core module importing a feature's module at its top is found."""
     (tmp_path / "core.py").write_text("import os\nfrom src.features.gpt.model import GPT\ndef f():\n    import x\n")
