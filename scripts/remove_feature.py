@@ -171,19 +171,22 @@ def copy_of_repo(destination: Path) -> Path:
         skipped = shutil.ignore_patterns(".git", ".venv", "runs", "__pycache__", ".*_cache", "wandb")
         shutil.copytree(REPO, destination, ignore=skipped, dirs_exist_ok=True)
         return destination
-    names = list(filter(None, listed.stdout.split("\0")))
-    for name in names:
+    for name in filter(None, listed.stdout.split("\0")):
         source = REPO / name
         if source.is_file():
             target = destination / name
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, target)
-    # and the bytecode compiled for them, so that the copy's processes don't compile it all again (~2 CPU-s each): a
-    # .pyc holds its source's time and size (copy2 keeps both), so a file changed since is compiled afresh
-    for folder in {Path(name).parent for name in names if name.endswith(".py")}:
-        if (REPO / folder / "__pycache__").is_dir() and (destination / folder).is_dir():
-            shutil.copytree(REPO / folder / "__pycache__", destination / folder / "__pycache__", dirs_exist_ok=True)
     return destination
+
+
+def copy_bytecode(root: Path) -> None:
+    """The bytecode this checkout's runs compiled, into its copy `root`, so that the copy's processes don't compile it
+    all again (~1 CPU-s each): a .pyc holds its source's time and size (copy2 kept both), so a file changed since, or
+    gone, is compiled afresh or never read."""
+    for folder in {path.parent.relative_to(root) for path in root.glob("**/*.py")}:
+        if (REPO / folder / "__pycache__").is_dir():
+            shutil.copytree(REPO / folder / "__pycache__", root / folder / "__pycache__", dirs_exist_ok=True)
 
 
 def feature_options(name: str) -> list[str]:
@@ -208,6 +211,7 @@ def check(names: list[str], tests: str, launch: bool = True) -> int:
     with tempfile.TemporaryDirectory(prefix="without_") as folder:
         root = copy_of_repo(Path(folder))
         removed = remove_all(names, root)
+        copy_bytecode(root)
         print(f"without {name}: removed {', '.join(str(p.relative_to(root)) for p in removed)}", flush=True)
         if left := fields_named(options, root):
             print(f"without {name}: its options are left: {', '.join(left)}", file=sys.stderr)
