@@ -10,6 +10,7 @@ Each split's documents are joined with a separator byte and cut into fixed block
 With `--streaming true` the train split is read from shard files and packed on the fly (docs/streaming.md).
 """
 
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,6 +201,7 @@ class CausalLM(Task):
     # --- model, loss, evaluation ---
 
     def build_model(self) -> nn.Module:
+        logging.getLogger("accelerate.utils.other").addFilter(tied_head_saved)  # once: the same filter
         return GPT(self.model_config)
 
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
@@ -248,3 +250,10 @@ class CausalLM(Task):
 
     def count_parameters(self, non_embedding: bool = True) -> int:
         return count_parameters(self.model_config, non_embedding)
+
+
+def tied_head_saved(record: logging.LogRecord) -> bool:
+    """Accelerate saves the tied head's weight once, as the embedding's, and warns at every save to check that a
+    reload gets it back: GPT ties it again as it is built (a resumed run trains on as if never stopped:
+    tests/test_lm.py). That warning is left out; any other passes."""
+    return "Removed shared tensor {'lm_head.weight'} while saving" not in record.getMessage()
