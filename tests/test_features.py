@@ -158,6 +158,7 @@ def test_the_check_finds_an_option_left_declared_as_a_field(tmp_path):
     (tmp_path / "src").mkdir()
     (tmp_path / "train.py").write_text("push_to_hub = True  # a variable, not a field\n")
     (tmp_path / "src/config.py").write_text("class TrainConfig:\n    seed: int = 1\n    push_to_hub: bool = False\n")
+    (tmp_path / "src/broken.py").write_text("class Half(:\n")  # not Python: ruff's step says so, not this one
     assert fields_named(["push_to_hub", "hub_model_id"], tmp_path) == ["src/config.py: push_to_hub"]
 
 
