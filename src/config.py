@@ -57,7 +57,6 @@ class TrainConfig:
     test_split: str = "test"  # evaluated at the end (test/ metrics) and predicted, when the data has it
     dataloader_num_workers: int = 0  # worker processes per data loader
     dataloader_drop_last: bool = True  # full batches only: the same samples per step on 1 or N processes
-    dataloader_index_batches: bool = True  # train data in tensors: each batch one gather by the sampler's indices
     max_train_samples: int | None = None  # train on the first N samples only (debugging, overfitting one batch)
     max_eval_samples: int | None = None  # evaluate on the first N samples only
     max_predict_samples: int | None = None  # test and predict on the first N samples of the test split only

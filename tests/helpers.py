@@ -315,13 +315,12 @@ def padded_lm_one_process(request, assets) -> Path:
     return folder / "run"
 
 
-def assert_gathers_as_collated(dataset):
-    """src/batches.py's one gather per batch gives what the DataLoader's default_collate stacks, contiguous."""
+def assert_gathers_as_collated(dataset, gathering=None):
+    """One gather per batch (`gathering.gather`, by default the dataset's own: the index_batches feature's contract)
+    gives what the DataLoader's default_collate stacks, contiguous."""
     from torch.utils.data import default_collate
-
-    from src.batches import gatherable
 
     indices = torch.tensor([5, 0, 17, 5, 31])
     expected = default_collate([dataset[i] for i in indices.tolist()])
-    got = gatherable(dataset).gather(indices)
+    got = (gathering or dataset).gather(indices)
     assert all(torch.equal(g, e) and g.is_contiguous() for g, e in zip(got, expected, strict=True))

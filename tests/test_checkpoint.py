@@ -10,6 +10,7 @@ import time
 import pytest
 
 from src.errors import EXIT_PREEMPTED
+from src.features import installed_names
 from tests.conftest import (
     QUICK,
     REPO,
@@ -32,12 +33,13 @@ RUN = ["--max_steps", "60", "--logging_steps", "1", "--save_steps", "10", "--eva
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """Through the DataLoader (`--dataloader_index_batches false`): the runs compared with it batch by index (the
-    default, src/batches.py), so each comparison also proves the index path trains as the DataLoader does."""
+    """Through the DataLoader: with the index_batches feature (`--dataloader_index_batches false` here) the runs
+    compared with it batch by index, so each comparison also proves the index path trains as the DataLoader does."""
+    through_the_loader = ["--dataloader_index_batches", "false"] if "index_batches" in installed_names() else []
     runs = {}
     for processes in (1, 2):
         output_dir = tmp_path_factory.mktemp(f"full{processes}") / "run"
-        args = [*RUN, "--output_dir", str(output_dir), "--dataloader_index_batches", "false"]
+        args = [*RUN, "--output_dir", str(output_dir), *through_the_loader]
         assert_ok(run_main(*args) if processes == 1 else run_with_hook(output_dir.parent, args, processes=processes))
         assert_processes(output_dir, processes)
         runs[processes] = train_losses(output_dir)

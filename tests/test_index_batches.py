@@ -1,6 +1,7 @@
-"""In-memory data batched by index (src/batches.py: IndexBatches) gives the DataLoader's batches: the same
-samples in the same order, the same shards on N processes, the same resume, hence the same per-step losses (which
-tests/test_checkpoint.py checks end to end: a killed run, resumed on the index path, against the DataLoader's)."""
+"""The index_batches feature (src/features/index_batches/): in-memory data batched by index gives the DataLoader's
+batches: the same samples in the same order, the same shards on N processes, the same resume, hence the same per-step
+losses (which tests/test_checkpoint.py checks end to end: a killed run, resumed on the index path, against the
+DataLoader's)."""
 
 from types import SimpleNamespace
 
@@ -8,9 +9,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Subset
 
-from src.batches import EpochOrder, IndexBatches, LoaderBatches, gatherable, known_sequence
+from src.batches import LoaderBatches
 from src.cli import resolve
 from src.config import TrainConfig
+from src.features.index_batches.gather import EpochOrder, IndexBatches, gatherable, known_sequence
 from src.tasks import build_task
 from tests.helpers import assert_gathers_as_collated
 
@@ -58,7 +60,7 @@ def test_an_epoch_order_not_known_or_not_checked_is_drawn_from_the_batch_sampler
     """EpochOrder computes an epoch's indices only for a sampler it knows and after checking a second epoch against
     the batch sampler; otherwise (here: a sampler of the user's, and a sequence that the check refutes) it draws
     them, and the batches are still the DataLoader's."""
-    import src.batches
+    import src.features.index_batches.gather as gather
 
     reversed_order = prepared(digits, 2, 1, shuffle=False, sampler=range(len(digits) - 1, -1, -1))
     assert EpochOrder(reversed_order).positions is None
@@ -69,7 +71,7 @@ def test_an_epoch_order_not_known_or_not_checked_is_drawn_from_the_batch_sampler
         return sequence if epoch == 0 else sequence.flip(0)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(src.batches, "known_sequence", wrong_after_epoch_0)
+        patch.setattr(gather, "known_sequence", wrong_after_epoch_0)
         loader = prepared(digits, 2, 1)
         order = EpochOrder(loader)
         assert order.positions is None
@@ -80,7 +82,8 @@ def test_an_epoch_order_not_known_or_not_checked_is_drawn_from_the_batch_sampler
 
 
 def test_subsets_gather_what_default_collate_stacks(digits):
-    assert_gathers_as_collated(Subset(digits, range(300)))  # --max_train_samples
+    subset = Subset(digits, range(300))  # --max_train_samples
+    assert_gathers_as_collated(subset, gatherable(subset))
 
 
 def test_samples_fetched_one_by_one_are_not_gathered(digits):

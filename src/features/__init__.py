@@ -38,6 +38,11 @@ class Feature:
         """A train DataLoader of the feature's own (e.g. a stream) in place of the in-memory one, or None."""
         return None
 
+    def train_batches(self, accelerator, loader, config, collate_fn):
+        """The prepared train loader's batches from a cheaper source (`epoch(epoch, skip)`, as src/batches.py's
+        LoaderBatches), or None."""
+        return None
+
     def on_start(self, accelerator, config, resumed: bool) -> None:
         """The output directory is ready (a fresh start cleared it); training is about to start."""
 
@@ -62,8 +67,19 @@ def each(hook):
     return call
 
 
+def first(hook):
+    """`Features.<hook>`: the first feature's answer that is not None, else None."""
+
+    @functools.wraps(hook)
+    def call(self, *args):
+        answers = (getattr(feature, hook.__name__)(*args) for feature in self)
+        return next((answer for answer in answers if answer is not None), None)
+
+    return call
+
+
 class Features(tuple):
-    """Every installed feature as one: hooks in turn; accelerator_options, train_loader: the first answer not None."""
+    """Every installed feature as one: each hook in turn, or the first answer that is not None."""
 
     check_launch = each(Feature.check_launch)
     check = each(Feature.check)
@@ -72,12 +88,9 @@ class Features(tuple):
     on_step = each(Feature.on_step)
     on_checkpoint = each(Feature.on_checkpoint)
     on_end = each(Feature.on_end)
-
-    def accelerator_options(self, use_cpu: bool, config) -> dict | None:
-        return next((o for f in self if (o := f.accelerator_options(use_cpu, config)) is not None), None)
-
-    def train_loader(self, task, config, pin_memory: bool):
-        return next((loader for f in self if (loader := f.train_loader(task, config, pin_memory)) is not None), None)
+    accelerator_options = first(Feature.accelerator_options)
+    train_loader = first(Feature.train_loader)
+    train_batches = first(Feature.train_batches)
 
     def adapt_model(self, model, accelerator):
         for feature in self:
@@ -94,8 +107,11 @@ def options_of(options_class: type, values: dict):
 @functools.cache
 def installed() -> Features:
     """The features whose packages are here, by name: each package's `FEATURE`."""
-    names = sorted(module.name for module in pkgutil.iter_modules(__path__) if module.ispkg)
-    return Features(importlib.import_module(f"{__name__}.{name}").FEATURE for name in names)
+    return Features(importlib.import_module(f"{__name__}.{name}").FEATURE for name in installed_names())
+
+
+def installed_names() -> list[str]:
+    return sorted(module.name for module in pkgutil.iter_modules(__path__) if module.ispkg)
 
 
 def feature_tasks() -> dict[str, str]:

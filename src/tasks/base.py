@@ -17,7 +17,7 @@ from src.final_model import load_weights
 if TYPE_CHECKING:
     import torch
     from torch import nn
-    from torch.utils.data import Dataset, IterableDataset
+    from torch.utils.data import Dataset
 
     from src.config import TrainConfig
 
@@ -58,7 +58,7 @@ class Task:
         the token count for text; eval/loss = sum(loss) / sum(weight)); with `metrics`, "predictions", "references"."""
         raise NotImplementedError(f"{type(self).__name__} must implement eval_outputs()")
 
-    # --- may: defaults, or needed only where used (eval-only runs, test splits, streaming, predict) ---
+    # --- may: defaults, or needed only where used (eval-only runs, test splits, predict) ---
     def count_items(self, batch) -> torch.Tensor:
         """With loss_reduction "sum": how many terms loss() summed over (e.g. the tokens with a label)."""
         raise NotImplementedError(f"{type(self).__name__} has loss_reduction 'sum' and must implement count_items()")
@@ -68,15 +68,6 @@ class Task:
         raise UsageError(
             f"--task {type(self).__name__} has no build_eval_dataset(split, labelled), which evaluating without "
             "training, a test split and --do_predict need: implement it (docs/customize.md)"
-        )
-
-    def build_train_stream(self) -> IterableDataset:
-        """`--streaming`: the train split as an IterableDataset of samples like build_datasets()' train items, with
-        `set_epoch(epoch)`; e.g. `SampleStream(load_stream(self.config, split).map(...).shuffle(seed, buffer))`
-        (src/features/streaming/stream.py). Its memory must not grow with the data: nothing is read before iteration."""
-        raise UsageError(
-            f"--task {type(self).__name__} cannot stream its data: it has no build_train_stream(); "
-            "use --streaming false, or implement it (src/features/gpt/causal_lm.py has an example)"
         )
 
     def load_model(self, path: str) -> nn.Module:

@@ -2,9 +2,18 @@
 (stream.py; docs/streaming.md). A task streams through its `build_train_stream()`."""
 
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 from src.errors import UsageError
 from src.features import Feature
+
+
+@runtime_checkable
+class StreamingTask(Protocol):
+    def build_train_stream(self):
+        """The train split as an IterableDataset of samples like build_datasets()' train items, with `set_epoch(epoch)`;
+        e.g. `SampleStream(load_stream(self.config, split).map(...).shuffle(seed, buffer))` (stream.py). Its memory must
+        not grow with the data: nothing is read before iteration."""
 
 
 @dataclass
@@ -32,6 +41,11 @@ class Streaming(Feature):
 
         if config.max_train_samples:
             raise UsageError("--max_train_samples does not apply with --streaming; --max_steps sets how much is read")
+        if not isinstance(task, StreamingTask):
+            raise UsageError(
+                f"--task {type(task).__name__} cannot stream its data: it has no build_train_stream(); "
+                "use --streaming false, or implement it (src/features/gpt/causal_lm.py has an example)"
+            )
         return DataLoader(
             task.build_train_stream(),
             batch_size=config.per_device_train_batch_size,
