@@ -103,7 +103,7 @@ def set_up(config: TrainConfig, training: bool) -> Setup:
     with tasks.task_errors(task):  # the task's code failing on its data or model: one line naming its method
         train_loader, eval_loader = loaders.build_loaders(task, config, accelerator, training, pin_memory)
         test_loader, predict_split, predict_loader = loaders.build_test_and_predict_loaders(task, config, pin_memory)
-        model = distributed.sync_batchnorm(tasks.starting_model(task, config, accelerator), accelerator)
+        model = tasks.starting_model(task, config, accelerator)  # features adapt it: e.g. LoRA, SyncBatchNorm
     if config.gradient_checkpointing:
         distributed.enable_gradient_checkpointing(model)
     metric = load_metrics(task.metrics if config.metrics is None else config.metrics)

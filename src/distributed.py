@@ -150,36 +150,6 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
     enable()
 
 
-class SynchronisedBatchNorm(nn.modules.batchnorm._BatchNorm):
-    """A BatchNorm synchronised where nn.SyncBatchNorm is not (a feature's): `sync_batchnorm` does not warn of it."""
-
-
-def sync_batchnorm(model: nn.Module, accelerator) -> nn.Module:
-    """BatchNorm statistics over the global micro-batch: nn.SyncBatchNorm on CUDA, on CPU the sync_batchnorm feature's
-    (torch has none; adapt_model put it in). Warns where they stay per process or per micro-batch."""
-    batchnorms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    accumulation = accelerator.gradient_accumulation_steps
-    if batchnorms and accumulation > 1:
-        # 1 process x 64 and 2 x 32 (synchronised) agree, 1 x 32 accumulated twice does not (docs/how_it_works.md)
-        logger.warning(
-            f"the model has BatchNorm and each optimiser step accumulates {accumulation} micro-batches: its statistics "
-            "are those of one micro-batch, so another process count or per-device batch trains differently; use a "
-            f"per-device batch {accumulation} times as large (--global_batch_size / {accelerator.num_processes} "
-            "processes: no accumulation), or GroupNorm (digits: --norm group)"
-        )
-    if not batchnorms or accelerator.num_processes == 1:
-        return model
-    if accelerator.device.type == "cuda":
-        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if not all(isinstance(m, SynchronisedBatchNorm) for m in batchnorms):
-        logger.warning(
-            f"BatchNorm statistics are per process: no synchronised BatchNorm on {accelerator.device.type}, so this "
-            f"{accelerator.num_processes}-process run normalises each process's batch separately (the sync_batchnorm "
-            "feature synchronises it on CPU processes; or use --norm group for identical results)."
-        )
-    return model
-
-
 def end_training(accelerator) -> None:
     accelerator.end_training()
     let_threads_settle(accelerator.num_processes)  # a moment for gloo's threads: see src/errors.py

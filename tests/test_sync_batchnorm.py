@@ -1,5 +1,5 @@
-"""The sync_batchnorm feature (src/features/sync_batchnorm/): BatchNorm statistics over every CPU process's batch, so
-`--norm batch` trains the same on 1 and N processes."""
+"""The sync_batchnorm feature (src/features/sync_batchnorm/): BatchNorm statistics over every process's batch (CUDA's
+and, its own, CPU processes'), so `--norm batch` trains the same on 1 and N processes; warnings where it can't."""
 
 import pytest
 import torch
@@ -12,15 +12,14 @@ from tests.conftest import assert_ok, assert_processes, read_metrics, run_on, se
 SAME_RUN = ["--max_steps", "40", "--logging_steps", "1", "--eval_steps", "20", "--learning_rate", "3e-4"]
 
 
-def test_batchnorm_layers_become_synchronised_on_cpu_processes_only(caplog):
-    """The feature's layers on N CPU processes (then the core warns of nothing), plain BatchNorm alone or on CUDA
-    (where the core converts to torch's); the state dict stays BatchNorm's, so saved models load into the plain
-    network."""
+def test_batchnorm_layers_become_synchronised_on_n_processes(caplog):
+    """torch's SyncBatchNorm on CUDA, the feature's on CPU processes, plain BatchNorm alone; on another device a
+    warning says the statistics stay per process. The state dict stays BatchNorm's, so saved models load into the
+    plain network."""
     from types import SimpleNamespace
 
     from torch import nn
 
-    from src.distributed import sync_batchnorm
     from src.features.sync_batchnorm import FEATURE
     from src.features.sync_batchnorm.batchnorm import CPUSyncBatchNorm
 
@@ -32,17 +31,43 @@ def test_batchnorm_layers_become_synchronised_on_cpu_processes_only(caplog):
         )
         return FEATURE.adapt_model(model, accelerator)
 
-    plain = adapted("cpu", 1)
-    assert [type(m) for m in (plain[1], plain[2][0])] == [nn.BatchNorm2d, nn.BatchNorm1d]
-    assert type(adapted("cuda", 2)[1]) is nn.BatchNorm2d
-    model = adapted("cpu", 2)
-    assert type(model[1]) is type(model[2][0]) is CPUSyncBatchNorm
-    assert model.state_dict().keys() == plain.state_dict().keys()
-    assert torch.equal(model[1].running_mean, plain[1].running_mean)
-    accelerator = SimpleNamespace(num_processes=2, device=torch.device("cpu"), gradient_accumulation_steps=1)
-    with caplog.at_level("WARNING", logger="src.distributed"):
-        assert sync_batchnorm(model, accelerator) is model
-    assert caplog.records == []
+    with caplog.at_level("WARNING", logger="src.features.sync_batchnorm"):
+        plain = adapted("cpu", 1)
+        assert [type(m) for m in (plain[1], plain[2][0])] == [nn.BatchNorm2d, nn.BatchNorm1d]
+        for device, synchronised in (("cuda", nn.SyncBatchNorm), ("cpu", CPUSyncBatchNorm)):
+            model = adapted(device, 2)
+            assert type(model[1]) is type(model[2][0]) is synchronised
+            assert model.state_dict().keys() == plain.state_dict().keys()
+            assert torch.equal(model[1].running_mean, plain[1].running_mean)
+        assert caplog.records == []
+        per_process = adapted("mps", 2)
+        assert [type(m) for m in (per_process[1], per_process[2][0])] == [nn.BatchNorm2d, nn.BatchNorm1d]
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert warning.startswith("BatchNorm statistics are per process: no synchronised BatchNorm on mps")
+
+
+@pytest.mark.parametrize("norm, accumulation, warned", [("batch", 2, True), ("batch", 1, False), ("group", 2, False)])
+def test_batchnorm_under_accumulation_is_warned_at_start(norm, accumulation, warned, caplog):
+    """BatchNorm's statistics are one micro-batch's: accumulated, another process count trains differently."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from src.features.sync_batchnorm import FEATURE
+
+    layer = nn.BatchNorm2d(4) if norm == "batch" else nn.GroupNorm(2, 4)
+    accelerator = SimpleNamespace(num_processes=1, device=torch.device("cpu"), gradient_accumulation_steps=accumulation)
+    with caplog.at_level("WARNING", logger="src.features.sync_batchnorm"):
+        FEATURE.adapt_model(nn.Sequential(nn.Conv2d(1, 4, 3), layer), accelerator)
+    lines = [r.getMessage() for r in caplog.records if "BatchNorm" in r.getMessage()]
+    if warned:
+        assert lines == [
+            "the model has BatchNorm and each optimiser step accumulates 2 micro-batches: its statistics are those of "
+            "one micro-batch, so another process count or per-device batch trains differently; use a per-device batch "
+            "2 times as large (--global_batch_size / 1 processes: no accumulation), or GroupNorm (digits: --norm group)"
+        ]
+    else:
+        assert lines == []
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ from torch import nn
 
 
 def make_norm(kind: str, channels: int) -> nn.Module:
-    """batch: BatchNorm (synchronised across processes, see src/distributed.py); group: per-sample statistics; none."""
+    """batch: BatchNorm (synchronised across processes by the sync_batchnorm feature); group: per-sample; none."""
     if kind == "batch":
         return nn.BatchNorm2d(channels)
     if kind == "group":

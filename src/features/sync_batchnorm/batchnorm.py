@@ -10,8 +10,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from src.distributed import SynchronisedBatchNorm
-
 
 def autograd_all_reduce():
     """A sum over the processes whose backward sums the gradients: torch's functional collective where torch has
@@ -29,7 +27,7 @@ def autograd_all_reduce():
 all_reduce = autograd_all_reduce()
 
 
-class CPUSyncBatchNorm(SynchronisedBatchNorm):
+class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
     """BatchNorm1d/2d/3d whose training statistics are over every process's batch (see the module docstring)."""
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
