@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.utils import find_executable_batch_size, set_seed
+from accelerate.utils import set_seed
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -54,26 +54,7 @@ def main(args: list[str] | TrainConfig | None = None) -> dict:
     if not config.do_train:
         return evaluate_and_predict(config)
     with preemption.noted_from_the_start():  # a job preempted as it sets up checkpoints at its first step
-        return train_with_batch_size(config)
-
-
-def train_with_batch_size(config: TrainConfig) -> dict:
-    """train(config), or with --auto_find_batch_size the largest per-device batch that fits, halving it after OOM."""
-    if not config.auto_find_batch_size:
-        return train(config)
-    first = per_device = config.per_device_train_batch_size
-
-    def smaller() -> int:  # at most half, and the optimiser's batch the same: resolve_global_batch raises accumulation
-        nonlocal per_device
-        per_device = distributed.smaller_device_batch(config, per_device)
-        return per_device
-
-    @find_executable_batch_size(starting_batch_size=first, reduce_batch_size_fn=smaller)
-    def train_with(batch_size: int) -> dict:
-        overwrite = config.overwrite_output_dir or batch_size != first  # a retry replaces what the failed one wrote
-        return train(replace(config, per_device_train_batch_size=batch_size, overwrite_output_dir=overwrite))
-
-    return train_with()
+        return features.installed().wrap_train(train)(config)  # e.g. retried with a smaller batch: auto_batch_size
 
 
 @dataclass

@@ -76,7 +76,6 @@ class TrainConfig:
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "cosine"  # after warmup
     warmup_steps: int = 20  # linear warmup, in optimiser steps
     max_grad_norm: float = 1.0  # 0 disables clipping
-    auto_find_batch_size: bool = False  # on out-of-memory: at most half the per-device batch, keep global_batch_size
     mixed_precision: Literal["no", "fp16", "bf16"] | None = None  # None: from the accelerate config / launcher
     gradient_checkpointing: bool = False  # trade compute for memory, for models that support it
     torch_compile: bool = False  # torch.compile the model (inductor), in place: checkpoints keep the plain keys
@@ -110,8 +109,6 @@ class TrainConfig:
             problems.append(f"--max_steps must be > 0, or -1 to train for num_train_epochs (got {self.max_steps})")
         if self.output_dir and "://" in self.output_dir:
             problems.append(f"--output_dir {self.output_dir} is a URL; keep --output_dir a local folder")
-        if self.auto_find_batch_size and self.global_batch_size is None:
-            problems.append("--auto_find_batch_size needs --global_batch_size, so the optimiser's batch stays the same")
         if not (self.do_train or self.do_eval or self.do_predict):
             problems.append("--do_train, --do_eval and --do_predict are all false: nothing to do")
         if self.load_best_model_at_end and self.metric_for_best_model is None:

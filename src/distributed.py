@@ -1,7 +1,6 @@
 """Build the Accelerator so one command trains alike on CPU, one GPU or N processes (docs/how_it_works.md). Without GPUs
 a plain `Accelerator()` forms no group (N separate trainings, silently): `cpu=True` gives gloo DDP."""
 
-import logging
 import os
 from pathlib import Path
 
@@ -15,8 +14,6 @@ from src.accelerator import Accelerator, keep_freed_host_memory
 from src.config import TrainConfig, resolve_global_batch
 from src.errors import UsageError, let_threads_settle, one_line, say
 from src.preemption import watch_launcher
-
-logger = logging.getLogger(__name__)
 
 
 def has_accelerator() -> bool:
@@ -111,21 +108,6 @@ def launcher_started_one_of_many() -> bool:
 
 def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def smaller_device_batch(config: TrainConfig, per_device: int) -> int:
-    """--auto_find_batch_size after running out of memory with `per_device` samples: the largest batch at most half as
-    large that keeps the global batch (a whole accumulation count); UsageError once even 1 sample did not fit."""
-    processes = strategy.data_parallel_size(PartialState().num_processes)  # the group the failed attempt formed
-    fits = [size for size in range(per_device // 2, 0, -1) if config.global_batch_size % (size * processes) == 0]
-    if not fits:
-        raise UsageError(
-            f"out of memory with a per-device batch of {per_device}, the smallest that keeps --global_batch_size "
-            f"{config.global_batch_size}; use --gradient_checkpointing true, --mixed_precision bf16, more processes "
-            "or a smaller model"
-        )
-    logger.warning("out of memory with a per-device batch of %d: retrying with %d", per_device, fits[0])
-    return fits[0]
 
 
 def summed_loss_scale(accelerator, task, window: list) -> torch.Tensor:

@@ -24,6 +24,10 @@ class Feature:
         """The Accelerator's arguments for a strategy the feature runs (`cpu` included), or None: not its strategy."""
         return None
 
+    def wrap_train(self, train):
+        """`train(config)` as the feature runs it (e.g. again with a smaller batch after running out of memory)."""
+        return train
+
     def check(self, config) -> None:
         """Before training reads or writes anything, on every process: bad input raises UsageError (exit 2)."""
 
@@ -96,6 +100,11 @@ class Features(tuple):
         for feature in self:
             model = feature.adapt_model(model, accelerator)
         return model
+
+    def wrap_train(self, train):
+        for feature in self:
+            train = feature.wrap_train(train)
+        return train
 
 
 def options_of(options_class: type, values: dict):
