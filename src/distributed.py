@@ -2,7 +2,6 @@
 a plain `Accelerator()` forms no group (N separate trainings, silently): `cpu=True` gives gloo DDP."""
 
 import os
-from pathlib import Path
 
 import torch
 from accelerate import DataLoaderConfiguration, PartialState
@@ -12,7 +11,7 @@ from torch import nn
 from src import strategy
 from src.accelerator import Accelerator, keep_freed_host_memory
 from src.config import TrainConfig, resolve_global_batch
-from src.errors import UsageError, let_threads_settle, one_line, say
+from src.errors import UsageError, let_threads_settle, one_line
 from src.preemption import watch_launcher
 
 
@@ -32,9 +31,6 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
     strategy.check_launch(use_cpu, config)
     if use_cpu:
         keep_freed_host_memory()
-        if os.environ.get("LOCAL_RANK", "0") == "0":  # said once per node, before any error
-            for line in slow_cpu_setup(config):
-                say(f"warning: {line}")
     strategy_options = strategy.accelerator_options(use_cpu, config)  # cpu, and what FSDP/DeepSpeed need
     state = PartialState(**strategy.process_group_options(strategy_options))  # forms the group
     launched = int(os.environ.get("WORLD_SIZE", "1"))
@@ -68,35 +64,6 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
     return accelerator
 
 
-def slow_cpu_setup(config: TrainConfig) -> list[str]:
-    """What makes this CPU run train slower than it could, and the fix."""
-    found = []
-    processes, cores = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), usable_cores()
-    if processes > cores:
-        found.append(
-            f"{processes} processes on {cores} CPU cores: they take turns, so this trains slower than {cores} "
-            f"processes would; launch with --num_processes {cores} (the global batch stays the same)"
-        )
-    precision = config.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    if precision == "bf16" and not cpu_has_bf16():
-        found.append(
-            "bf16 mixed precision on a CPU without bf16 instructions (AVX512-BF16, AMX): emulated, many times slower "
-            "than float32 (docs/sharded.md); --mixed_precision no trains in float32"
-        )
-    return found
-
-
-BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # /proc/cpuinfo's words for x86's AVX512-BF16 and AMX, Arm's BF16
-
-
-def cpu_has_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """Whether this CPU has bf16 instructions; True where it can't be told (no /proc/cpuinfo: not Linux)."""
-    try:
-        return bool(BF16_FLAGS & set(cpuinfo.read_text().split()))
-    except OSError:
-        return True
-
-
 WORLD_SIZES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")  # torchrun's, MPI's
 
 
@@ -104,10 +71,6 @@ def launcher_started_one_of_many() -> bool:
     """`accelerate launch --num_processes N>1`, no multi-process config, no GPU (or --cpu): one run, no world size."""
     env = os.environ
     return "ACCELERATE_USE_CPU" in env and "MASTER_PORT" in env and not any(name in env for name in WORLD_SIZES)
-
-
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def summed_loss_scale(accelerator, task, window: list) -> torch.Tensor:
