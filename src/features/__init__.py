@@ -17,16 +17,16 @@ class Feature:
     def options(self, config):  # this feature's options, typed
         return options_of(self.Options, config.feature_args)
 
+    def wrap_train(self, train):
+        """`train(config)` as the feature runs it (e.g. again with a smaller batch after running out of memory)."""
+        return train
+
     def check_launch(self, use_cpu: bool, config) -> None:
         """Before the process group forms: raise LaunchError for what's unavailable (config None: scripts/launch.py)."""
 
     def accelerator_options(self, use_cpu: bool, config) -> dict | None:
         """The Accelerator's arguments for a strategy the feature runs (`cpu` included), or None: not its strategy."""
         return None
-
-    def wrap_train(self, train):
-        """`train(config)` as the feature runs it (e.g. again with a smaller batch after running out of memory)."""
-        return train
 
     def check(self, config) -> None:
         """Before training reads or writes anything, on every process: bad input raises UsageError (exit 2)."""
@@ -42,13 +42,13 @@ class Feature:
         """A train DataLoader of the feature's own (e.g. a stream) in place of the in-memory one, or None."""
         return None
 
+    def on_start(self, accelerator, config, resumed: bool) -> None:
+        """The output directory is ready (a fresh start cleared it); training is about to start."""
+
     def train_batches(self, accelerator, loader, config, collate_fn):
         """The prepared train loader's batches from a cheaper source (`epoch(epoch, skip)`, as src/batches.py's
         LoaderBatches), or None."""
         return None
-
-    def on_start(self, accelerator, config, resumed: bool) -> None:
-        """The output directory is ready (a fresh start cleared it); training is about to start."""
 
     def on_step(self, accelerator, config, step: int) -> None:
         """After each optimiser step, on every process (keep it cheap: it runs at every step)."""
