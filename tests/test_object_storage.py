@@ -445,6 +445,31 @@ def test_docs_command_resumes_on_a_fresh_machine(s3, tmp_path):
     assert json.loads(s3.read("my-bucket", "exp1/metrics.jsonl").splitlines()[-1])["step"] == 8
 
 
+@pytest.mark.slow
+def test_docs_file_mirror_commands_resume_on_a_wiped_disk(tmp_path):
+    """docs/object_storage.md's try without a bucket, as written but for the mirror's folder (the test's): a first run
+    of 20 steps, its run directory deleted, the second command downloads step 20 and trains 21-40."""
+    first, wipe, second = section_commands("Try it on one machine", page="docs/object_storage.md")
+    mirror = tmp_path / "mirror"
+    cwd = tmp_path / "work"
+    cwd.mkdir()
+    workspace(cwd)
+
+    def run(command: str):
+        _, script, *args = as_written(command.replace("/tmp/mirror", str(mirror)))
+        assert script == "train.py", command
+        return run_main(*args, cwd=cwd)
+
+    assert_ok(run(first))
+    assert wipe == "rm -rf runs/mirrored"
+    shutil.rmtree(cwd / "runs" / "mirrored")
+    resumed = run(second)
+    assert_ok(resumed)
+    assert "downloading checkpoint step_20" in resumed.stdout + resumed.stderr
+    assert [row["step"] for row in read_metrics(cwd / "runs" / "mirrored") if "train/loss" in row] == [10, 20, 30, 40]
+    assert (mirror / "mirrored" / "checkpoints" / "step_40" / "trainer_state.json").is_file()
+
+
 class MainProcess:
     """The accelerator's part that src/features/object_storage/mirror.py uses, for one process."""
 
