@@ -41,7 +41,7 @@ class AutoBatchSize(Feature):
 
             @find_executable_batch_size(starting_batch_size=first, reduce_batch_size_fn=smaller)
             def train_with(batch_size: int) -> dict:
-                overwrite = config.overwrite_output_dir or batch_size != first  # a retry replaces what the failed wrote
+                overwrite = config.overwrite_output_dir or batch_size != first  # a retry replaces a failed try's files
                 return train(replace(config, per_device_train_batch_size=batch_size, overwrite_output_dir=overwrite))
 
             return train_with()
