@@ -82,8 +82,20 @@ def first(hook):
     return call
 
 
+def chain(hook):
+    """`Features.<hook>`: its first argument through every feature's hook in turn, each given the previous answer."""
+
+    @functools.wraps(hook)
+    def call(self, value, *args):
+        for feature in self:
+            value = getattr(feature, hook.__name__)(value, *args)
+        return value
+
+    return call
+
+
 class Features(tuple):
-    """Every installed feature as one: each hook in turn, or the first answer that is not None."""
+    """Every installed feature as one: each hook in turn, chained, or the first answer that is not None."""
 
     check_launch = each(Feature.check_launch)
     check = each(Feature.check)
@@ -95,16 +107,8 @@ class Features(tuple):
     accelerator_options = first(Feature.accelerator_options)
     train_loader = first(Feature.train_loader)
     train_batches = first(Feature.train_batches)
-
-    def adapt_model(self, model, accelerator):
-        for feature in self:
-            model = feature.adapt_model(model, accelerator)
-        return model
-
-    def wrap_train(self, train):
-        for feature in self:
-            train = feature.wrap_train(train)
-        return train
+    wrap_train = chain(Feature.wrap_train)
+    adapt_model = chain(Feature.adapt_model)
 
 
 def options_of(options_class: type, values: dict):
