@@ -18,6 +18,7 @@ import pandas as pd
 import pytest
 
 from src.errors import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_USAGE, EXIT_WRITE_FAILED, UsageError, command_line
+from src.features import installed_names
 from tests.conftest import (
     QUICK,
     REPO,
@@ -391,6 +392,8 @@ def test_an_error_all_processes_find_is_said_once(tmp_path, launcher):
         f"{32 * processes}; set --global_batch_size to a multiple of {32 * processes}"
         + (f", or --per_device_train_batch_size {32 // processes}" if 32 % processes == 0 else "")
     ]
+    if "cpu_hints" in installed_names():  # its warning with the counts, once for all the processes
+        assert result.stderr.count(f"warning: {processes} processes on {processes - 1} CPU cores") == 1
     if launcher == "scripts/launch.py":
         assert result.returncode == EXIT_USAGE
         lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("warning: ")]
