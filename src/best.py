@@ -27,6 +27,26 @@ class BestEvaluation:
             logger.info("early stopping after %d evaluations without a %s %s (--early_stopping_mode %s: %s)",
                         config.early_stopping_patience, better, config.early_stopping_metric, flip,
                         "higher" if flip == "max" else "lower")  # fmt: skip
+        self.forget_what_other_metrics_chose()
+
+    def forget_what_other_metrics_chose(self) -> None:
+        """A resumed run watching another metric (or direction) than its checkpoint's starts that choice afresh: a best
+        value of one metric is no bar for another."""
+        config, state = self.config, self.state
+        best_model_by = early_stopping_by = None
+        if config.metric_for_best_model:
+            best_model_by = f"{config.metric_for_best_model} {'max' if config.greater_is_better else 'min'}"
+        if config.early_stopping_patience:
+            early_stopping_by = f"{config.early_stopping_metric} {config.early_stopping_mode}"
+        if state.best_model_by not in (None, best_model_by) and state.best_model_step is not None:
+            logger.warning("the best model so far was chosen by %s, this run chooses by %s: chosen again from the "
+                           "next evaluation on", state.best_model_by, best_model_by)  # fmt: skip
+            state.best_model_step = state.best_model_metric = None
+        if state.early_stopping_by not in (None, early_stopping_by) and state.best_metric is not None:
+            logger.warning("early stopping counted evaluations by %s, this run by %s: counted again from the next "
+                           "evaluation on", state.early_stopping_by, early_stopping_by)  # fmt: skip
+            state.best_metric, state.evals_without_improvement = None, 0
+        state.best_model_by, state.early_stopping_by = best_model_by, early_stopping_by
 
     @staticmethod
     def check_logged(config: TrainConfig, task, metric: Metric | None) -> None:

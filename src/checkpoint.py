@@ -10,7 +10,15 @@ import torch
 
 from src.config import TrainConfig, save_config
 from src.errors import CheckpointWriteFailed, UsageError, one_line
-from src.run_dir import CHECKPOINTS_DIR, CONFIG_FILE, MODEL_DIR, STATE_FILE, TMP_PREFIX, move_into_place
+from src.run_dir import (
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    MODEL_DIR,
+    STATE_FILE,
+    TMP_PREFIX,
+    continues_its_run,
+    move_into_place,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +38,10 @@ class TrainerState:
     skipped_steps: int = 0  # --skip_nonfinite_batches: the optimiser steps skipped so far
     best_metric: float | None = None  # early stopping
     evals_without_improvement: int = 0
+    early_stopping_by: str | None = None  # its metric and mode, e.g. "eval/loss min": another resets the count
     best_model_step: int | None = None  # metric_for_best_model: the step of the best evaluation so far ...
     best_model_metric: float | None = None  # ... and its value
+    best_model_by: str | None = None  # its metric and direction, e.g. "eval/loss min": another resets the best
 
 
 def resume(accelerator, config: TrainConfig, fresh: TrainerState) -> tuple[TrainerState, bool]:
@@ -87,7 +97,16 @@ def resume(accelerator, config: TrainConfig, fresh: TrainerState) -> tuple[Train
     # 0: a checkpoint ends a window, and the micro-batch count Accelerate restores is wrong on another process count
     accelerator.step = 0
     logger.info("resuming from %s at step %d", path, state.step)
-    return replace(state, world_size=fresh.world_size, strategy=fresh.strategy), True  # this run's, from now
+    state = replace(state, world_size=fresh.world_size, strategy=fresh.strategy)  # this run's, from now
+    own = continues_its_run(config)
+    if not own:  # another folder's checkpoint: a new run here from its weights, with trackers of its own
+        state.tracker_run_id = None
+    best = state.best_model_step
+    if best is not None and not (own and (checkpoint_dir(config.output_dir, best) / STATE_FILE).is_file()):
+        logger.warning("the best model so far (step %d) has no checkpoint in %s to load at the end: the best is "
+                       "chosen again from the next evaluation on", best, config.output_dir)  # fmt: skip
+        state.best_model_step = state.best_model_metric = None
+    return state, True
 
 
 # what scripts/convert_checkpoint.py --to <key> converts from: the sharded into a whole model, a whole one into FSDP2

@@ -31,6 +31,7 @@ def parse_config(argv: "list[str] | TrainConfig | None") -> TrainConfig:
         return resolve(argv)
     argv = sys.argv[1:] if argv is None else argv
     show_tracebacks(str(setting(argv, "debug")).lower() in ("true", "yes", "1"))  # before anything can fail
+    check_config_files(argv)
     run, run_config = run_to_evaluate(argv)
     name = find_task_name(argv, default=run_config.get("task", TrainConfig.task))
     cls = task_class(name)
@@ -80,6 +81,22 @@ def config_files(argv: list[str]) -> list[tuple[Path, dict]]:
     return [(Path(v), loaded) for v in flag_values(argv, "config") if (loaded := yaml_mapping(Path(v))) is not None]
 
 
+def check_config_files(argv: list[str]) -> None:
+    """A --config file holding no options (empty, a list) or an accelerate config: one line saying so. A missing file or
+    bad YAML: the parser's line."""
+    for value in flag_values(argv, "config"):
+        try:
+            loaded = yaml.safe_load(Path(value).read_text())
+        except (OSError, yaml.YAMLError):
+            continue
+        if not isinstance(loaded, dict):
+            held = "nothing" if loaded is None else f"a {type(loaded).__name__}"
+            raise UsageError(f"--config {value} holds {held}, not options: write one `name: value` a line")
+        if "compute_environment" in loaded:  # every accelerate config has it
+            raise UsageError(f"--config {value} is an accelerate config: `accelerate launch --config_file {value} "
+                             "train.py` takes it")  # fmt: skip
+
+
 def setting(argv: list[str], name: str):
     """`--name` on the command line, else the last `--config` file's `name`, else None."""
     in_files = [loaded[name] for _, loaded in config_files(argv) if name in loaded]
@@ -89,8 +106,8 @@ def setting(argv: list[str], name: str):
 def run_to_evaluate(argv: list[str]) -> tuple[Path | None, dict]:
     """(run, its config.yaml) whose model eval-only or predict evaluates: --model_name_or_path's or --output_dir's."""
     model = setting(argv, "model_name_or_path") or setting(argv, "output_dir")
-    if str(setting(argv, "do_train")).lower() not in ("false", "0", "no") or not model:
-        return None, {}
+    if str(setting(argv, "do_train")).lower() not in ("false", "0", "no") or not isinstance(model, str) or not model:
+        return None, {}  # not a path (e.g. a number in YAML): the parser says so
     path = Path(model)
     if (path / STATE_FILE).is_file() and (path / CONFIG_FILE).is_file():  # a checkpoint, with its run's config
         run, config_file = path.parent.parent, path / CONFIG_FILE
@@ -148,7 +165,8 @@ def find_task_name(argv: list[str], default: str = TrainConfig.task) -> str:
     return name if isinstance(name, str) else default
 
 
-KINDS = {"<class 'int'>": "a whole number", "<class 'float'>": "a number", "<class 'bool'>": "true or false",
+KINDS = {"<class 'str'>": "text (in YAML, quoted)",
+         "<class 'int'>": "a whole number", "<class 'float'>": "a number", "<class 'bool'>": "true or false",
          "<class 'list'>": "a list, written [a, b]", "<class 'NoneType'>": "null"}  # fmt: skip
 TYPE_ERROR = re.compile(r'Parser key "(\w+)": Expected a (.+?)\. Got value: ?(.*)$')
 UNION_ERROR = re.compile(r'Parser key "(\w+)": Does not validate .* Errors: (.*) Given value type: .* value: (.*)$')

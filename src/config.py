@@ -107,6 +107,13 @@ class TrainConfig:
         problems += [f"--{name} must be > 0 or null (got {values[name]})" for name in not_positive]
         if self.max_steps == 0 or self.max_steps < -1:
             problems.append(f"--max_steps must be > 0, or -1 to train for num_train_epochs (got {self.max_steps})")
+        if not self.project_name or Path(self.project_name).name != self.project_name or self.project_name == "..":
+            problems.append(f"--project_name {self.project_name!r} must be a plain name (tensorboard's folder in "
+                            "--output_dir, the wandb project), without / or ..")  # fmt: skip
+        if not 0 <= self.seed < 2**32:
+            problems.append(f"--seed must be >= 0 and < 2**32 (got {self.seed})")
+        betas = {"--adam_beta1": self.adam_beta1, "--adam_beta2": self.adam_beta2}
+        problems += [f"{flag} must be >= 0 and < 1 (got {beta})" for flag, beta in betas.items() if not 0 <= beta < 1]
         if self.output_dir and "://" in self.output_dir:
             problems.append(f"--output_dir {self.output_dir} is a URL; keep --output_dir a local folder")
         if not (self.do_train or self.do_eval or self.do_predict):
@@ -199,6 +206,12 @@ def field_help(cls) -> dict[str, str]:
     return comments
 
 
+# How one launch treats output_dir, not what the run is: left out of config.yaml, so that `--config <run>/config.yaml
+# --output_dir elsewhere` never replaces or continues another run unasked
+LAUNCH_ONLY = ("overwrite_output_dir", "resume_from_checkpoint")
+
+
 def save_config(config: TrainConfig, path: Path) -> None:
-    """Flat like the command line: `--config path` runs the same again."""
-    path.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    """Flat like the command line: `--config path` runs the same again (in a folder of its own)."""
+    values = {name: value for name, value in config.to_dict().items() if name not in LAUNCH_ONLY}
+    path.write_text(yaml.safe_dump(values, sort_keys=False))

@@ -27,12 +27,30 @@ def load_splits(config: TrainConfig, names: list[str] | None = None):
             raise missing_split(config, missing[0], list(splits))
     else:
         try:
-            splits = datasets.load_dataset(builder, data_files=files)
+            splits = load_files(builder, files)
         except datasets.exceptions.DatasetGenerationError as err:
             raise unreadable_splits(builder, files, err) from err
     for split in names:
         check_rows(len(splits[split]), split)
     return splits
+
+
+def load_files(builder: str, files: dict[str, str]):
+    """`datasets.load_dataset` of local files, its log lines left out (the error says it); no rows is one line."""
+    import datasets
+
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        return datasets.load_dataset(builder, data_files=files)
+    except (ValueError, StopIteration) as err:  # 'Instruction "train" corresponds to no data!'; an empty JSON file
+        if isinstance(err, ValueError) and "corresponds to no data" not in str(err):
+            raise
+        what = "images in class subfolders" if builder == FOLDER_BUILDER else "rows"
+        listed = ", ".join(f"{split}: {str(path).removesuffix('/**')}" for split, path in files.items())
+        raise UsageError(f"the {builder} data files hold no {what} ({listed}); check --data_files") from err
+    finally:
+        datasets.logging.set_verbosity(verbosity)
 
 
 def load_tables(config: TrainConfig, names: list[str] | None = None, columns: list[str] | None = None) -> dict:
@@ -85,8 +103,7 @@ def unreadable_splits(builder: str, files: dict[str, str], err: Exception) -> Us
     columns = {}
     if len(files) > 1:
         with contextlib.suppress(datasets.exceptions.DatasetGenerationError):
-            columns = {split: datasets.load_dataset(builder, data_files={split: file})[split].column_names
-                       for split, file in files.items()}  # fmt: skip
+            columns = {split: load_files(builder, {split: file})[split].column_names for split, file in files.items()}
     if len({frozenset(names) for names in columns.values()}) > 1:
         listed = "; ".join(f"{split}: {', '.join(names)}" for split, names in columns.items())
         return UsageError(f"the {builder} files of the splits have different columns ({listed}); give them the same")
@@ -106,6 +123,8 @@ def column_tensor(table, name: str, split: str, missing_as_nan: bool = False):
     import torch
 
     column, shape = table.column(name).combine_chunks(), [len(table)]
+    if len(column) and column.null_count == len(column):
+        raise absent_column(name, split)
     while isinstance(column.type, (pa.ListType, pa.LargeListType, pa.FixedSizeListType)):
         lengths = pc.unique(pc.list_value_length(column))
         if column.null_count or len(lengths) > 1:
@@ -167,6 +186,8 @@ def file_builder(data_files: dict[str, str]) -> str:
     """The `datasets` builder for local files, from their extension (a folder: imagefolder); one for all splits."""
     suffixes = set()
     for split, path in data_files.items():
+        if not str(path).strip():  # Path("") is the working directory: read as a folder of images
+            raise UsageError(f"data file for split {split!r} is empty text; name a file, or a folder of images")
         if any(character in str(path) for character in "*?[") and not Path(path).exists():
             raise UsageError(
                 f"data file for split {split!r} is a pattern ({path}): name one file, or a folder of images"
@@ -213,7 +234,12 @@ def check_complete(split, columns: list[str], name: str) -> None:
     """No missing value in `columns` of a `datasets.Dataset`, split `name`: a tokenizer or image decoder would crash."""
     for column in columns:
         if count := split.data.column(column).null_count:
-            raise missing_values(column, count, name)
+            raise absent_column(column, name) if count == len(split) else missing_values(column, count, name)
+
+
+def absent_column(column: str, split: str) -> MissingColumns:
+    """A column without a single value: how `datasets` reads a CSV or JSON file lacking it beside files with it."""
+    return MissingColumns(f"the {split} split has no column {column!r} (no row has a value)", "add it to its file")
 
 
 def missing_values(column: str, count: int, split: str) -> UsageError:

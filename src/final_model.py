@@ -48,6 +48,11 @@ def load_weights(model, path: str):
 def saved_model_dir(path: str) -> Path:
     """A run's model/ folder as given; a run's output_dir -> its model/; a checkpoint -> its exported model/ if any."""
     folder = Path(path)
+    if not folder.is_dir() and folder.name == MODEL_DIR:  # e.g. --do_train false's default: the run's own model/
+        raise UsageError(
+            f"{folder.parent} has no {MODEL_DIR}/ to evaluate (no run finished there): train there first, or name "
+            "a model with --model_name_or_path (a run's model/ or checkpoints/step_<N>/)"
+        )
     if not folder.is_dir():
         raise UsageError(f"--model_name_or_path {path}: no such folder (a run's model/ or checkpoints/step_<N>/)")
     if (folder / MODEL_DIR).is_dir() and ((folder / STATE_FILE).is_file() or (folder / CONFIG_FILE).is_file()):
@@ -57,9 +62,13 @@ def saved_model_dir(path: str) -> Path:
 
 def model_to_evaluate(config: TrainConfig) -> TrainConfig:
     """`--do_train false` into a trained run's folder evaluates its model/, also where its config.yaml names the start
-    model; any other model is refused there, so the run's eval_results.json and predictions stay its own."""
+    model, and writes a checkpoint's results into the checkpoint's folder; any other model is refused there, so the
+    run's eval_results.json and predictions stay its own."""
     run, model = Path(config.output_dir), config.model_name_or_path
-    if not (run / MODEL_DIR).is_dir() or Path(model).resolve().is_relative_to(run.resolve()):
+    inside = Path(model).resolve().is_relative_to(run.resolve())
+    if inside and (Path(model) / STATE_FILE).is_file():  # a checkpoint of the run: its results beside its weights,
+        return replace(config, output_dir=model)  # not over the run's final eval_results.json
+    if not (run / MODEL_DIR).is_dir() or inside:
         return config  # a fresh folder, or this run's model/, a checkpoint of it, or the run folder itself
     run_config = run / CONFIG_FILE
     started_from = yaml.safe_load(run_config.read_text()).get("model_name_or_path") if run_config.is_file() else None

@@ -113,9 +113,10 @@ def check_split_sizes(train_loader: DataLoader, eval_loader: DataLoader, global_
     """Before `prepare`: a train split without one global batch, or fewer eval samples than processes, is an error."""
     train_size, eval_size = len(train_loader.dataset), len(eval_loader.dataset)
     if train_size < global_batch:
+        more = "raise --max_train_samples" if isinstance(train_loader.dataset, Subset) else "use more data"
         raise UsageError(
             f"the train split has {train_size} samples, fewer than one global batch of {global_batch}; "
-            "lower --global_batch_size / --per_device_train_batch_size or use more data"
+            f"lower --global_batch_size / --per_device_train_batch_size or {more}"
         )
     if eval_size < num_processes:
         raise UsageError(

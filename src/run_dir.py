@@ -28,17 +28,46 @@ TMP_PREFIX = ".tmp_"
 
 def refuse_to_replace(config: TrainConfig, resuming: bool) -> list[str]:
     """The run files in output_dir; a fresh run that would replace a run that trained, unasked, is refused. Called
-    before the data is read too (train.py), so that a refusal does not wait for it."""
+    before the data is read too (train.py), so that a refusal does not wait for it. `resuming`: a checkpoint is loaded
+    (before the data is read: may be); one of another folder's starts this folder's run afresh."""
     output_dir = Path(config.output_dir)
     check_writable(output_dir)
-    previous = [name for name in (*RUN_FILES, *TRACKER_FILES, config.project_name) if (output_dir / name).exists()]
-    asked = config.overwrite_output_dir or config.resume_from_checkpoint == "latest" or not trained_any_step(output_dir)
-    if previous and not resuming and not asked:
+    previous = run_files(output_dir, config.project_name)
+    if not previous or (resuming and continues_its_run(config)) or config.overwrite_output_dir:
+        return previous
+    if not trained_any_step(output_dir):
+        return previous  # a run stopped before its first step: nothing worth keeping
+    if config.resume_from_checkpoint != "latest":
         raise UsageError(
             f"{output_dir} already holds a run ({', '.join(previous)}); continue it with --resume_from_checkpoint "
             "latest, replace it with --overwrite_output_dir true, or choose another --output_dir"
         )
-    return previous
+    if (output_dir / MODEL_DIR).exists():  # `latest` found no checkpoint: model/ is the finished run's only copy
+        raise UsageError(
+            f"{output_dir} holds a finished run ({', '.join(previous)}) but no checkpoint to continue it from: "
+            "--resume_from_checkpoint latest would start afresh and replace its model/; replace it with "
+            "--overwrite_output_dir true, or choose another --output_dir"
+        )
+    return previous  # stopped before its first checkpoint: `latest` starts it afresh, as the same command asks
+
+
+def run_files(output_dir: Path, project_name: str) -> list[str]:
+    """What a run of this template left in output_dir: its RUN_FILES and, beside them, its trackers' local files
+    (tensorboard's: the project_name folder of event files). Without a run file, nothing there is a run's."""
+    ours = [name for name in RUN_FILES if (output_dir / name).exists()]
+    if not ours:
+        return []
+    trackers = [name for name in TRACKER_FILES if (output_dir / name).exists()]
+    tensorboard = any((output_dir / project_name).glob("events.out.tfevents.*"))
+    return [*ours, *trackers, *([project_name] if tensorboard else [])]
+
+
+def continues_its_run(config: TrainConfig) -> bool:
+    """Whether --resume_from_checkpoint continues output_dir's own run: `latest`, or a checkpoint inside output_dir
+    (one of another folder's starts a new run there from its weights)."""
+    checkpoint = config.resume_from_checkpoint
+    output_dir = Path(config.output_dir).resolve()
+    return checkpoint == "latest" or (checkpoint is not None and Path(checkpoint).resolve().is_relative_to(output_dir))
 
 
 def check_writable(output_dir: Path) -> None:
@@ -57,7 +86,7 @@ def prepare_output_dir(accelerator, config: TrainConfig, resume_step: int | None
     that never finished an optimiser step holds nothing worth keeping: it is replaced, so the same command reruns."""
     output_dir = Path(config.output_dir)
     previous = refuse_to_replace(config, resuming=resume_step is not None)
-    replacing = previous and resume_step is None
+    replacing = previous and not (resume_step is not None and continues_its_run(config))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         if replacing:  # a fresh start: nothing of the previous run's logs may mix into this one
@@ -72,6 +101,10 @@ def prepare_output_dir(accelerator, config: TrainConfig, resume_step: int | None
             partial = metrics.with_name(TMP_PREFIX + metrics.name)  # the log whole or as it was, even if killed here
             partial.write_text("".join(kept))
             os.replace(partial, metrics)
+        aside, model = output_dir / f"{TMP_PREFIX}previous_{MODEL_DIR}", output_dir / MODEL_DIR
+        if aside.is_dir() and not model.exists() and not replacing:  # killed between move_into_place's two renames
+            logger.warning("restoring %s: a stopped run had renamed it aside to save a new one", model)
+            os.replace(aside, model)
         leftovers = [*output_dir.glob(f"{TMP_PREFIX}*"), *(output_dir / CHECKPOINTS_DIR).glob(f"{TMP_PREFIX}*")]
         for path in sorted(leftovers):
             logger.warning("removing %s: an incomplete checkpoint, model or upload snapshot of a stopped run", path)

@@ -123,3 +123,22 @@ def test_a_run_that_stopped_early_logs_its_last_steps_and_a_resume_trains_no_fur
     assert_ok(run_main(*args))
     assert [path.name for path in (out / "checkpoints").iterdir()] == ["step_4"]
     assert max(row["step"] for row in read_metrics(out)) == 4
+
+
+def test_a_resume_watching_another_metric_or_direction_chooses_afresh(caplog):
+    """A checkpoint's best (and early-stopping count) by one metric is no bar for another: a resumed run watching
+    another starts that choice again, and says so; the same metric keeps it."""
+    chosen = dict(best_model_step=10, best_model_metric=0.9, best_model_by="eval/accuracy max")
+    counted = dict(best_metric=0.9, evals_without_improvement=2, early_stopping_by="eval/accuracy max")
+    same = TrainConfig(metric_for_best_model="accuracy", early_stopping_patience=3, early_stopping_metric="accuracy")
+    state = TrainerState(**chosen, **counted)
+    BestEvaluation(same, state)
+    assert (state.best_model_step, state.best_metric, state.evals_without_improvement) == (10, 0.9, 2)
+
+    other = TrainConfig(metric_for_best_model="eval/loss", early_stopping_patience=3, early_stopping_mode="max")
+    state = TrainerState(**chosen, **counted)
+    BestEvaluation(other, state)
+    assert (state.best_model_step, state.best_model_metric, state.best_metric, state.evals_without_improvement) == (
+        None, None, None, 0)  # fmt: skip
+    assert (state.best_model_by, state.early_stopping_by) == ("eval/loss min", "eval/loss max")  # saved with the next
+    assert "the best model so far was chosen by eval/accuracy max, this run chooses by eval/loss min" in caplog.text

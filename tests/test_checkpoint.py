@@ -358,3 +358,56 @@ def test_a_kill_while_the_model_is_saved_leaves_the_previous_model_whole(tmp_pat
     weights.write_bytes(b"cut short")
     evaluated = run_main("--do_train", "false", "--output_dir", str(out))
     assert evaluated.returncode == 2 and "does not hold weights for this model, or is damaged" in evaluated.stderr
+
+
+@pytest.mark.slow
+def test_latest_never_replaces_a_finished_run_it_cannot_continue(tmp_path):
+    """`--resume_from_checkpoint latest` (as the refusal of a rerun advises) on a finished run whose checkpoints were
+    deleted: its model/ is the only copy of what it trained, so it is refused, not started afresh over it."""
+    out = tmp_path / "run"
+    args = [*QUICK, "--output_dir", str(out), "--resume_from_checkpoint", "latest"]
+    assert_ok(run_main(*args))
+    shutil.rmtree(out / "checkpoints")
+    weights = (out / "model" / "model.safetensors").read_bytes()
+    result = run_main(*args)
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith(
+        f"error: {out} holds a finished run (metrics.jsonl, config.yaml, model, eval_results.json) but no checkpoint "
+        "to continue it from"
+    )
+    assert (out / "model" / "model.safetensors").read_bytes() == weights
+
+
+@pytest.mark.slow
+def test_another_folders_checkpoint_starts_a_new_run(tmp_path):
+    """A checkpoint of another folder is refused into a folder that holds a trained run (the two runs would mix), and
+    into a new folder starts a new run there from its weights: with --load_best_model_at_end the best is chosen again
+    (the old best's checkpoint is not there), and model/ is written."""
+    best = ["--metric_for_best_model", "eval/loss", "--load_best_model_at_end", "true", "--eval_steps", "2"]
+    source, trained, fresh = tmp_path / "source", tmp_path / "trained", tmp_path / "fresh"
+    assert_ok(run_main(*QUICK, *best, "--save_steps", "2", "--output_dir", str(source)))
+    assert_ok(run_main(*QUICK, "--output_dir", str(trained)))
+    before = {path: path.read_bytes() for path in trained.rglob("*") if path.is_file()}
+    step_4 = ["--resume_from_checkpoint", str(source / "checkpoints" / "step_4")]
+    result = run_main(*QUICK, "--max_steps", "8", *step_4, "--output_dir", str(trained))
+    assert result.returncode == 2 and f"error: {trained} already holds a run" in result.stderr
+    assert {path: path.read_bytes() for path in trained.rglob("*") if path.is_file()} == before
+    result = run_main(*QUICK, *best, "--max_steps", "8", *step_4, "--output_dir", str(fresh))
+    assert_ok(result)
+    assert "the best model so far (step 4) has no checkpoint in" in result.stderr
+    rows = read_metrics(fresh)
+    assert min(series(rows, "train/loss")) == 6 and rows[-1]["best_model/step"] in (6, 8)
+    assert (fresh / "model" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_a_model_renamed_aside_by_a_stopped_save_is_restored(tmp_path):
+    """Killed between move_into_place's two renames (the previous model/ aside, the new one not yet in place): the
+    next start puts the previous model/ back rather than removing it as a leftover."""
+    out = tmp_path / "run"
+    args = [*QUICK, "--output_dir", str(out), "--resume_from_checkpoint", "latest"]
+    assert_ok(run_main(*args))
+    weights = (out / "model" / "model.safetensors").read_bytes()
+    (out / "model").rename(out / ".tmp_previous_model")
+    restarted = run_main(*args)
+    assert_ok(restarted)
+    assert "restoring" in restarted.stderr and (out / "model" / "model.safetensors").read_bytes() == weights

@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from src.cli import parse_config, resolve
-from src.config import TrainConfig, resolve_global_batch
+from src.config import LAUNCH_ONLY, TrainConfig, resolve_global_batch, save_config
 from src.errors import UsageError
 from src.features import option_classes
 from src.tasks.digits import Digits
@@ -43,6 +43,17 @@ def test_yaml_then_command_line_override(tmp_path):
         ("", ["--max_steps", "-5"], "--max_steps must be > 0"),
         ("", ["--report_to", "mlfow"], "unknown --report_to mlfow; did you mean mlflow?"),
         ("key: [unclosed\n", [], "config"),
+        ("", ["--project_name", ".."], r"^--project_name '\.\.' must be a plain name"),  # its folder in output_dir
+        ("", ["--seed", "-1"], r"^--seed must be >= 0 and < 2\*\*32 \(got -1\)"),
+        ("", ["--adam_beta1", "1.5"], r"^--adam_beta1 must be >= 0 and < 1 \(got 1\.5\)"),
+        ("output_dir: 5\ndo_train: false\n", [], r"^--output_dir must be text \(in YAML, quoted\) or null \(got 5\)"),
+        ("# nothing but a comment\n", [], r"c\.yaml holds nothing, not options: write one `name: value` a line$"),
+        ("- learning_rate: 1\n", [], r"c\.yaml holds a list, not options"),
+        (
+            "compute_environment: LOCAL_MACHINE\n",
+            [],
+            r"c\.yaml is an accelerate config: `accelerate launch --config_fi",
+        ),
         (
             "",
             ["--data_files", "{train:a.parquet, eval:b.parquet}"],
@@ -104,13 +115,23 @@ def test_every_yaml_file_parses():
 
 def test_a_short_run_trains_and_saves_the_options_there_are_and_no_other(tmp_path):
     """`python train.py` for 4 steps (train.py's main, in this process): it trains and evaluates, and its config.yaml
-    holds the run's fields, the digits task's options and the installed features' options, nothing else. (In a copy
-    without a feature, scripts/remove_feature.py --check runs this as its short run.)"""
+    holds the run's fields (but how this launch treated its folder), the digits task's options and the installed
+    features' options, nothing else. (In a copy without a feature, scripts/remove_feature.py --check runs this as its
+    short run.)"""
     out = tmp_path / "run"
     short = ["--max_steps", "4", "--logging_steps", "2", "--eval_steps", "4", "--max_eval_samples", "64"]
     assert_ok(run_main(*short, "--output_dir", str(out)))
     assert read_metrics(out)[-1]["step"] == 4 and read_metrics(out)[-1]["eval/num_samples"] == 64
     saved = set(yaml.safe_load((out / "config.yaml").read_text()))
-    run_fields = {field.name for field in dataclasses.fields(TrainConfig)} - {"task_args", "feature_args"}
+    run_fields = {field.name for field in dataclasses.fields(TrainConfig)} - {"task_args", "feature_args", *LAUNCH_ONLY}
     features = {field.name for options in option_classes() for field in dataclasses.fields(options)}
     assert saved == run_fields | {field.name for field in dataclasses.fields(Digits.Options)} | features
+
+
+def test_config_yaml_leaves_out_how_one_launch_treated_its_folder(tmp_path):
+    """`--config <run>/config.yaml --output_dir elsewhere` runs the run again: it neither replaces (a saved
+    overwrite_output_dir) nor continues (a saved resume_from_checkpoint) whatever is there, unasked."""
+    path = tmp_path / "config.yaml"
+    save_config(TrainConfig(overwrite_output_dir=True, resume_from_checkpoint="latest", learning_rate=0.5), path)
+    again = parse_config(["--config", str(path), "--output_dir", str(tmp_path / "y")])
+    assert (again.overwrite_output_dir, again.resume_from_checkpoint, again.learning_rate) == (False, None, 0.5)

@@ -51,6 +51,12 @@ def digits(split: str = "train") -> pd.DataFrame:
     return pd.read_parquet(DIGITS / f"{split}.parquet")
 
 
+def json_lines(tmp_path, split: str, frame: pd.DataFrame) -> str:
+    path = tmp_path / f"{split}.jsonl"
+    frame.to_json(path, orient="records", lines=True)
+    return str(path)
+
+
 def write(tmp_path, name: str, text: str) -> str:
     path = tmp_path / name
     path.write_text(text)
@@ -76,6 +82,10 @@ CASES = {
         lambda t: ["--data_files", f"{{train: {t}/none.parquet, eval: {t}/none.parquet}}"],
         r"data file for split 'train' not found",
     ),
+    "an empty data file name": (
+        lambda t: ["--data_files", "{train: '', eval: ''}"],
+        r"data file for split 'train' is empty text; name a file, or a folder of images$",  # not the working directory
+    ),
     "missing column": (lambda t: ["--label_column", "digit"], r"no column digit .*--label_column"),
     "empty split": (lambda t: data_files(t, digits(), digits().head(0)), r"empty|could not read"),
     "labels out of range": (lambda t: ["--num_labels", "5"], r"labels must lie in 0\.\.4 but range 0\.\.9"),
@@ -92,6 +102,31 @@ CASES = {
         lambda t: ["--resume_from_checkpoint", write(t, "notes.txt", "")],  # not a checkpoint: no trainer state
         r"notes.txt is not a complete checkpoint \(no trainer_state.json\).*'latest'",
     ),
+    "digits of another width": (
+        lambda t: data_files(t, digits().assign(pixels=digits().pixels.map(lambda row: row[:63]))),
+        r"column 'pixels' of the train split holds 63 values a row, not the 64 pixels of an 8x8 digit",
+    ),
+    "an empty JSON file": (
+        lambda t: ["--data_files", f"{{train: {write(t, 'train.jsonl', '')}, eval: {write(t, 'eval.jsonl', '')}}}"],
+        r"the json data files hold no rows \(train: .*train\.jsonl, eval: .*eval\.jsonl\); check --data_files$",
+    ),
+    "a folder without images": (
+        lambda t: ["--data_files", f"{{train: {t}, eval: {t}}}"],
+        r"the imagefolder data files hold no images in class subfolders",
+    ),
+    "an eval file without the label column": (
+        lambda t: [
+            "--data_files",
+            f"{{train: {json_lines(t, 'train', digits())}, eval: "
+            f"{json_lines(t, 'eval', digits('eval').drop(columns='label'))}}}",
+        ],  # fmt: skip
+        r"the eval split has no column 'label' \(no row has a value\); add it to its file$",  # not "N missing values"
+    ),
+    "no labels to classify": (lambda t: ["--num_labels", "0"], r"--num_labels must be > 0 \(got 0\)$"),
+    "max_train_samples under one global batch": (
+        lambda t: ["--max_train_samples", "10"],
+        r"train split has 10 samples, fewer than one global batch of 64; .* or raise --max_train_samples$",
+    ),
     "train split smaller than global batch": (
         lambda t: data_files(t, digits().head(40)),
         r"train split has 40 samples, fewer than one global batch of 64",
@@ -107,6 +142,15 @@ def test_bad_input(case, tmp_path):
     result = run_main(*QUICK, "--output_dir", str(out), *build_args(tmp_path))
     assert_error_line(result, pattern)
     assert not out.exists()  # nothing written for a run that never started
+    assert "Failed to" not in result.stderr  # the one line says it: no library log lines before it (datasets')
+
+
+def test_a_file_datasets_cannot_read_is_said_in_one_line(tmp_path):
+    cut = '{"pixels": [1, 2\n'  # a line cut short
+    files = f"{{train: {write(tmp_path, 'train.jsonl', cut)}, eval: {write(tmp_path, 'eval.jsonl', cut)}}}"
+    result = run_train(*QUICK, "--output_dir", str(tmp_path / "run"), "--data_files", files)  # datasets' own stderr
+    assert_error_line(result, r"could not read the json data files \(.+\); check --data_files$")
+    assert result.stderr.strip().count("\n") == 0, result.stderr  # datasets' own lines about it left out
 
 
 @pytest.mark.slow

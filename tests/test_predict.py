@@ -329,6 +329,7 @@ def test_best_model_settings_do_not_apply_without_training():
     [
         (["--do_train", "false", "--do_eval", "false"], "all false: nothing to do"),
         (["--do_train", "false", "--model_name_or_path", "no/such/run"], "no such folder"),
+        (["--do_train", "false"], "run has no model/ to evaluate (no run finished there): train there first, or name"),
         (["--do_train", "false", "--model_name_or_path", "src"], "does not hold weights for this model"),
         (["--max_steps", "2", "--metric_for_best_model", "f1"], "eval/f1 is not logged"),
     ],
@@ -393,6 +394,7 @@ def test_readme_use_your_trained_model_commands_run(tmp_path, default_run):
             assert printed.startswith("{'prediction': ") and "'probabilities': [" in printed, printed
     runs = tmp_path / "runs"
     assert eval_results(runs / "digits")["eval/num_samples"] == 359
+    assert eval_results(runs / "digits" / "checkpoints" / "step_200")["eval/num_samples"] == 359  # beside its weights
     assert len(predictions(runs / "digits")) == 359
     assert [row for row in read_metrics(runs / "digits_best") if "best_model/step" in row or "eval/loss" in row]
 
@@ -437,13 +439,16 @@ def test_the_trained_model_is_saved_before_predictions_can_fail(tmp_path, monkey
 
 def test_eval_only_into_a_trained_run_evaluates_its_own_model_or_refuses(tmp_path):
     """A trained run's folder as output_dir: its own model/ is what --do_train false evaluates, also when the run's
-    config.yaml names the model it started from; another model's results there are refused before anything runs."""
+    config.yaml names the model it started from, and a checkpoint's results go beside it, not over the run's; another
+    model's results there are refused before anything runs."""
     from src.final_model import model_to_evaluate
     from src.run_dir import CONFIG_FILE, MODEL_DIR
 
     run, base = tmp_path / "run", tmp_path / "base"
     (run / MODEL_DIR).mkdir(parents=True)
     (run / CONFIG_FILE).write_text(f"model_name_or_path: {base}\n")
+    (run / "checkpoints" / "step_8").mkdir(parents=True)
+    (run / "checkpoints" / "step_8" / "trainer_state.json").write_text("{}")
     before = sorted(run.rglob("*"))
 
     def model_for(*flags: str) -> str:
@@ -452,6 +457,8 @@ def test_eval_only_into_a_trained_run_evaluates_its_own_model_or_refuses(tmp_pat
     assert model_for().model_name_or_path == f"{run}/model"  # the default: the run's own model/
     checkpoint = str(run / "checkpoints" / "step_10")
     assert model_for("--model_name_or_path", checkpoint).model_name_or_path == checkpoint  # one of its checkpoints
+    step_8 = model_for("--model_name_or_path", str(run / "checkpoints" / "step_8"))
+    assert step_8.output_dir == step_8.model_name_or_path == str(run / "checkpoints" / "step_8")  # results beside it
     assert model_for("--model_name_or_path", str(base)).model_name_or_path == str(run / MODEL_DIR)  # its start
     other = tmp_path / "other"
     message = f"--output_dir {run} holds a trained run: evaluating --model_name_or_path {other} there would replace"

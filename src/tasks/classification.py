@@ -40,6 +40,8 @@ class ClassificationTask(Task):
 
 
 def check_labels(labels: torch.Tensor, num_labels: int, split: str) -> None:
+    if num_labels < 1:
+        raise UsageError(f"--num_labels must be > 0 (got {num_labels})")
     if len(labels) and (labels.min() < 0 or labels.max() >= num_labels):
         raise UsageError(
             f"labels must lie in 0..{num_labels - 1} but range {labels.min()}..{labels.max()} in the {split} split; "

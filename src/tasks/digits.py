@@ -7,6 +7,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from src.data import check_columns, column_tensor, load_tables
+from src.errors import UsageError
 from src.models.digits_cnn import DigitsCNN
 from src.tasks.classification import ClassificationTask, check_labels
 
@@ -34,7 +35,12 @@ class Digits(ClassificationTask):
         table, options = tables[name], self.options
         check_columns(table, [options.input_column, *([options.label_column] if labelled else [])],
                       "--input_column / --label_column", name)  # fmt: skip
-        inputs = column_tensor(table, options.input_column, name).float().div(16.0).view(-1, 1, 8, 8)
+        inputs = column_tensor(table, options.input_column, name)
+        if inputs.shape[1:] != (64,):
+            held = f"{inputs[0].numel()} values" if inputs.ndim > 1 else "one value"
+            raise UsageError(f"column {options.input_column!r} of the {name} split holds {held} a row, not the 64 "
+                             "pixels of an 8x8 digit; set --input_column")  # fmt: skip
+        inputs = inputs.float().div(16.0).view(-1, 1, 8, 8)
         if not labelled:
             return TensorDataset(inputs)
         labels = column_tensor(table, options.label_column, name).long()
