@@ -16,6 +16,7 @@ from accelerate.tracking import GeneralTracker
 from tqdm.auto import tqdm
 
 from src.config import TrainConfig
+from src.errors import UsageError, one_line
 from src.run_dir import DVCLIVE_DIR, METRICS_FILE, MLFLOW_STORE
 from src.strategy import fsdp_units, strategy_of
 
@@ -83,7 +84,13 @@ def start_tracking(accelerator, config: TrainConfig, resume_run_id: str | None =
         "dvclive": {"dir": str(Path(config.output_dir) / DVCLIVE_DIR)},  # not ./dvclive in the working directory
     }
     scalars = {k: v if isinstance(v, int | float | str | bool | None) else str(v) for k, v in config.to_dict().items()}
-    accelerator.init_trackers(config.project_name, config=scalars, init_kwargs=init_kwargs)  # tensorboard: scalars only
+    try:
+        accelerator.init_trackers(config.project_name, config=scalars, init_kwargs=init_kwargs)  # tensorboard: scalars
+    except Exception as err:  # a tracker refusing its settings: wandb's tags, a WANDB_MODE it doesn't know, ...
+        trackers = ", ".join(config.report_to) or "jsonl"
+        raise UsageError(f"--report_to {trackers}: a tracker could not start ({type(err).__name__}: "
+                         f"{one_line(err)[:300]}); check its settings (--run_name, --run_tags, --run_group, "
+                         "--project_name) and its environment variables") from err  # fmt: skip
     if "wandb" in config.report_to and accelerator.is_main_process:
         return accelerator.get_tracker("wandb", unwrap=True).id
     return resume_run_id

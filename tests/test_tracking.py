@@ -4,6 +4,7 @@ every tracker Accelerate knows is accepted by name, and one whose package is mis
 import re
 import shlex
 import shutil
+from types import SimpleNamespace
 
 import pytest
 
@@ -210,3 +211,22 @@ def test_mlflow_offline_store_in_output_dir_holds_the_metrics_of_one_run(wandb_a
     for key in ("train/loss", "eval/accuracy"):
         logged = {metric.step: metric.value for metric in client.get_metric_history(run.info.run_id, key)}
         assert logged == pytest.approx(series(rows, key), rel=1e-6) and logged
+
+
+def test_a_tracker_that_refuses_its_settings_is_one_line(tmp_path, monkeypatch):
+    """wandb's pydantic error for a tag over 64 characters, and the like, raised inside `init_trackers`: one line
+    naming the flags, exit 2 (a rerun replaces the folder it had begun, as no step trained)."""
+    from src.tracking import start_tracking
+
+    def init_trackers(*args, **kwargs):
+        raise ValueError("1 validation error for Settings\nrun_tags\n  Value error, Tag 'xxx' exceeds 64 characters")
+
+    accelerator = SimpleNamespace(init_trackers=init_trackers, is_main_process=True)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    config = TrainConfig(report_to="wandb", output_dir=str(tmp_path))
+    with pytest.raises(
+        UsageError,
+        match=r"^--report_to wandb: a tracker could not start \(ValueError: 1 validation "
+        r"error for Settings run_tags Value error, Tag 'xxx' exceeds 64 characters\)",
+    ):
+        start_tracking(accelerator, config)
