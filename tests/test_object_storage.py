@@ -417,6 +417,10 @@ def test_a_bucket_holding_another_run_is_refused_unless_continued_or_replaced(s3
     s3.client.put_object(Bucket=bucket, Key="run/checkpoints/step_2/trainer_state.json", Body=b"{}")
     refused = run_main(*QUICK, "--output_dir", str(out), "--output_mirror", f"s3://{bucket}/run", env=s3.env)
     assert_error_line(refused, r"already holds a run .*--resume_from_checkpoint latest.*--overwrite_output_dir")
+    another_folders = ["--resume_from_checkpoint", str(tmp_path / "other" / "checkpoints" / "step_2")]  # a new run
+    refused = run_main(*QUICK, *another_folders, "--output_dir", str(out), "--output_mirror", f"s3://{bucket}/run",
+                       env=s3.env)  # fmt: skip
+    assert_error_line(refused, r"already holds a run .*--resume_from_checkpoint latest.*--overwrite_output_dir")
     assert not out.exists() and s3.keys(bucket) == ["run/checkpoints/step_2/trainer_state.json"]
 
     replaced = run_main(*QUICK, "--output_dir", str(out), "--output_mirror", f"s3://{bucket}/run",

@@ -12,6 +12,7 @@ from src.features.object_storage.mirror import (
     upload_checkpoint,
     upload_run,
 )
+from src.run_dir import continues_its_run
 
 
 class ObjectStorage(Feature):
@@ -26,7 +27,7 @@ class ObjectStorage(Feature):
         fetch_checkpoint(accelerator, config)
 
     def on_start(self, accelerator, config, resumed: bool) -> None:  # a fresh start replaces the mirror's run too
-        prepare_mirror(accelerator, config, resumed)
+        prepare_mirror(accelerator, config, resumed and continues_its_run(config))  # another folder's: a new run
 
     def on_checkpoint(self, accelerator, config, checkpoint, state) -> None:
         upload_checkpoint(accelerator, config, checkpoint, state)

@@ -40,6 +40,7 @@ from src.run_dir import (
     PREDICTIONS_FILE,
     STATE_FILE,
     TMP_PREFIX,
+    continues_its_run,
     move_into_place,
 )
 
@@ -154,7 +155,7 @@ def check_mirror(config: TrainConfig) -> None:
     except ValueError as err:  # fsspec: "Protocol not known"
         raise UsageError(f"--output_mirror {url}: {one_line(err)}; use s3://, gs://, az:// or file://") from err
     holds_run = reach(url, mirror.holds_run)
-    if holds_run and not (config.resume_from_checkpoint or config.overwrite_output_dir):
+    if holds_run and not (continues_its_run(config) or config.overwrite_output_dir):
         raise UsageError(
             f"--output_mirror {url} already holds a run (checkpoints/ or model/); continue it with "
             "--resume_from_checkpoint latest, replace it with --overwrite_output_dir true, or choose another URL"
