@@ -170,10 +170,12 @@ def save_checkpoint(accelerator, config: TrainConfig, state: TrainerState, expor
         if accelerator.is_main_process:
             shutil.rmtree(partial, ignore_errors=True)
         reason = f"{type(failure).__name__}: {one_line(failure)[:300]}" if failure else "failed on another process"
-        raise CheckpointWriteFailed(
+        stopped = CheckpointWriteFailed(
             f"could not write checkpoint {final} ({reason}); the previous checkpoints are intact. "
             "Free disk space (or lower --save_total_limit) and resume with --resume_from_checkpoint latest"
         )
+        stopped.said_elsewhere = failure is None  # the process that failed says why
+        raise stopped
     if accelerator.is_main_process:
         move_into_place(partial, final)  # whole or not at all; a step saved again replaces its previous save
         rotate_checkpoints(Path(config.output_dir), config.save_total_limit, keep_step=state.best_model_step)

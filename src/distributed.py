@@ -12,7 +12,7 @@ from src import strategy
 from src.accelerator import Accelerator, keep_freed_host_memory
 from src.config import TrainConfig, resolve_global_batch
 from src.errors import UsageError, let_threads_settle, one_line
-from src.preemption import watch_launcher
+from src.preemption import signals_as_default, watch_launcher
 
 
 def has_accelerator() -> bool:
@@ -32,7 +32,8 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
     if use_cpu:
         keep_freed_host_memory()
     strategy_options = strategy.accelerator_options(use_cpu, config)  # cpu, and what FSDP/DeepSpeed need
-    state = PartialState(**strategy.process_group_options(strategy_options))  # forms the group
+    with signals_as_default():  # a process that failed before the group formed: the launcher's SIGTERM ends the wait
+        state = PartialState(**strategy.process_group_options(strategy_options))  # forms the group
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched != state.num_processes:
         raise UsageError(

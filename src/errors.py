@@ -1,7 +1,6 @@
 """How a run ends early: one line and a documented exit code (docs/errors.md), not a traceback (unless --debug)."""
 
 import functools
-import hashlib
 import os
 import sys
 import time
@@ -24,6 +23,7 @@ class RunStopped(Exception):
     exit_code = 1
     prefix = "error"
     main_process_only = False  # True: the same on every process: said once even with no launcher's folder
+    said_elsewhere = False  # True: another process says why (e.g. its checkpoint write failed); this one is quiet
 
 
 class UsageError(RunStopped):
@@ -67,13 +67,15 @@ def say(line: str) -> None:
     sys.stderr.flush()
 
 
-def first_to_say(line: str, main_process_only: bool = False) -> bool:
-    """Whether this process says `line` first (the launcher stops the rest once one exits: left to rank 0 it could be
-    lost): a file made exclusively in <folder> of TORCHELASTIC_ERROR_FILE=<folder>/<rank>/error.json, which a node's
-    ranks share. Without it: every process says it, or only the main one if `main_process_only`."""
+def first_to_say(main_process_only: bool = False) -> bool:
+    """Whether this process says why the launch stopped: the first to stop does (the launcher stops the rest once one
+    exits: left to rank 0 the line could be lost), and the others' lines would only repeat it (the same error with
+    their own numbers, a peer gone). A file made exclusively in <attempt> of TORCHELASTIC_ERROR_FILE=<attempt>/<rank>/
+    error.json, which a node's ranks share. Without it: every process says it, or only the main one if
+    `main_process_only`."""
     if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
         try:
-            (Path(error_file).parent.parent / f"said-{hashlib.sha1(line.encode()).hexdigest()}").touch(exist_ok=False)
+            (Path(error_file).parent.parent / "said").touch(exist_ok=False)
             return True
         except FileExistsError:
             return False
@@ -99,27 +101,47 @@ def show_tracebacks(on: bool) -> None:
     _show_tracebacks = on
 
 
+def debugging() -> bool:
+    return _show_tracebacks or os.environ.get("TRAIN_DEBUG", "") not in ("", "0")
+
+
 def command_line(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except RunStopped as err:
-            debug = _show_tracebacks or os.environ.get("TRAIN_DEBUG", "") not in ("", "0")
-            if debug and not isinstance(err, TrainingPreempted):  # preempted: exit 75 all the same, for the requeue
+            if debugging() and not isinstance(err, TrainingPreempted):  # preempted: exit 75 all the same, to requeue
                 raise
-            line = f"{err.prefix}: {err}"
-            if first_to_say(line, err.main_process_only):
-                say(line)
+            if not err.said_elsewhere and first_to_say(err.main_process_only):
+                say(f"{err.prefix}: {err}")
             let_threads_settle()
             sys.exit(err.exit_code)
         except KeyboardInterrupt:  # Ctrl-C reaches every process of a launch: said by one
-            if first_to_say(line := "interrupted (Ctrl-C): stopped without saving"):
-                say(line)
+            if first_to_say():
+                say("interrupted (Ctrl-C): stopped without saving")
             let_threads_settle()
             sys.exit(EXIT_INTERRUPTED)
+        except Exception as err:
+            if not peer_lost(err) or debugging():
+                raise
+            if first_to_say():  # none said why: the process that stopped first was killed, or on another node
+                say("error: another process of this launch stopped (killed, or failed on another node), and this one "
+                    "with it; the launcher's report names it")  # fmt: skip
+            sys.exit(1)
 
     return wrapper
+
+
+def peer_lost(err: Exception) -> bool:
+    """Whether `err` is a collective losing a process of the launch (gloo: "Connection closed by peer"), which stops
+    every other process once one stops: that one says why."""
+    distributed = sys.modules.get("torch.distributed")
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2 or distributed is None:
+        return False
+    if isinstance(err, getattr(distributed, "DistError", ())):
+        return True
+    return isinstance(err, RuntimeError) and any(f"Connection {how} by peer" in str(err) for how in ("closed", "reset"))
 
 
 def one_line(err: Exception) -> str:

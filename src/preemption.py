@@ -100,6 +100,17 @@ def noted_from_the_start():
         _noted_early.clear()
 
 
+@contextlib.contextmanager
+def signals_as_default():
+    """SIGTERM and SIGUSR1 end the process inside, as by default: kept for a checkpoint, they would leave a process
+    waiting for a peer that will never come (the launcher's SIGTERM after that peer failed) until a SIGKILL."""
+    previous = set_preemption_handler(signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        restore_handlers(previous)
+
+
 def set_preemption_handler(handler) -> dict:
     """`handler` for SIGTERM and SIGUSR1 from now on (none off the main thread); returns the handlers it replaced."""
     previous = {}

@@ -25,6 +25,8 @@ def test_more_processes_than_cores_and_emulated_bf16_are_warned_once_per_node(mo
     assert hints(monkeypatch, capsys, bf16, LOCAL_WORLD_SIZE="3", LOCAL_RANK="1") == []  # the node's first says it
     assert hints(monkeypatch, capsys, bf16, use_cpu=False, LOCAL_RANK="0") == []  # on GPUs neither applies
     assert hints(monkeypatch, capsys, None, LOCAL_WORLD_SIZE="3", LOCAL_RANK="0") == []  # scripts/launch.py's check
+    evaluating = TrainConfig(mixed_precision="bf16", do_train=False)  # nothing trains slower
+    assert hints(monkeypatch, capsys, evaluating, LOCAL_WORLD_SIZE="3", LOCAL_RANK="0") == []
     assert hints(monkeypatch, capsys, TrainConfig(), LOCAL_WORLD_SIZE="2", LOCAL_RANK="0") == []
 
 

@@ -348,7 +348,7 @@ def test_broken_accelerate_config(tmp_path, capsys):
     assert_error_line(result, r"accelerate config .*broken\.yaml is invalid \('MULTI_GPUX' is not a valid")
 
 
-def ranks_run_to_their_end(args: list[str], folder: Path, processes: int = 2) -> list[subprocess.CompletedProcess]:
+def ranks_run_to_their_end(args: list[str], folder: Path, processes: int = 2, env: dict | None = None):
     """`python train.py args` on `processes` processes, each started with the variables torchrun gives its workers
     (one launch folder for their TORCHELASTIC_ERROR_FILE, as first_to_say reads it) and each waited for to its own end:
     torchrun (and conftest's run_ranks) stop the others once one exits, so neither shows how a slower rank ends."""
@@ -356,7 +356,7 @@ def ranks_run_to_their_end(args: list[str], folder: Path, processes: int = 2) ->
     (folder / "launch").mkdir()
     with launcher_store() as port:
         for rank in range(processes):
-            variables = torchrun_variables(rank, processes, port, folder / "launch")
+            variables = {**torchrun_variables(rank, processes, port, folder / "launch"), **(env or {})}
             with open(folder / f"{rank}.out", "w") as out, open(folder / f"{rank}.err", "w") as err:
                 ranks.append(subprocess.Popen(command, cwd=REPO, env=command_env(variables), stdout=out, stderr=err,
                                               stdin=subprocess.DEVNULL))  # fmt: skip
@@ -369,18 +369,19 @@ def ranks_run_to_their_end(args: list[str], folder: Path, processes: int = 2) ->
     return [subprocess.CompletedProcess(command, code, *log) for code, log in zip(codes, logs, strict=True)]
 
 
-def test_a_line_every_rank_finds_is_said_by_the_first(tmp_path, monkeypatch):
-    """The launcher stops the other ranks as soon as one exits, so the first rank to find a launch problem says it
-    (left to rank 0, the line could be lost); where no launcher's folder is shared, rank 0 says it."""
+def test_why_a_launch_stopped_is_said_by_the_first_rank_to_stop(tmp_path, monkeypatch):
+    """The launcher stops the other ranks as soon as one exits, so the first rank to stop says why (left to rank 0,
+    the line could be lost), and the others' lines would repeat it; where no launcher's folder is shared, every rank
+    says its own, or rank 0 alone a line they all find alike (main_process_only)."""
     from src.errors import first_to_say
 
     monkeypatch.setenv("RANK", "1")
     monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
-    assert first_to_say("error: a") and not first_to_say("error: a", main_process_only=True)
+    assert first_to_say() and not first_to_say(main_process_only=True)
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "1" / "error.json"))
-    assert first_to_say("error: a", main_process_only=True)
+    assert first_to_say(main_process_only=True)
     monkeypatch.setenv("RANK", "0")
-    assert not first_to_say("error: a", main_process_only=True) and first_to_say("error: b", main_process_only=True)
+    assert not first_to_say() and not first_to_say(main_process_only=True)  # one line for the launch
 
 
 @pytest.mark.slow
@@ -400,6 +401,70 @@ def test_bad_input_on_two_processes_stops_both(tmp_path, build_args, pattern):
     errors = [line for rank in ranks for line in rank.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and pattern in errors[0]
     assert not (tmp_path / "run").exists()
+
+
+FAILS_ON_RANK_1 = """
+import errno, os
+from src.tasks.digits import Digits
+
+class Loss(Digits):
+    def loss(self, model, batch):
+        if os.environ["RANK"] == "1":
+            raise ValueError("a batch only rank 1 cannot take")
+        return super().loss(model, batch)
+
+class Save(Digits):
+    export_checkpoints = True  # its save_model in every checkpoint
+
+    def save_model(self, accelerator, model, directory):
+        if os.environ["RANK"] == "1":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        super().save_model(accelerator, model, directory)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("task", "codes", "said"),
+    [
+        ("Loss", [1, 70], "error: Loss.loss() failed on a batch [tensor float32 [32, 1, 8, 8], tensor int64 [32]]: "
+                          "ValueError: a batch only rank 1 cannot take"),
+        ("Save", [74, 74], "error: could not write checkpoint"),
+    ],
+)  # fmt: skip
+def test_a_rank_that_fails_alone_says_why_and_the_others_stop_quietly(tmp_path, task, codes, said):
+    """One voice when one rank fails: its line, and no traceback of the others losing it (gloo's "Connection closed by
+    peer") nor a second line of theirs ("failed on another process")."""
+    (tmp_path / "fails_on_rank_1.py").write_text(FAILS_ON_RANK_1)
+    args = [*QUICK, "--task", f"fails_on_rank_1.{task}", "--output_dir", str(tmp_path / "run")]
+    ranks = ranks_run_to_their_end(args, tmp_path, env={"PYTHONPATH": str(tmp_path)})
+    assert [rank.returncode for rank in ranks] == codes, ranks[0].stderr[-3000:]
+    errors = [line for rank in ranks for line in rank.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(said), errors
+    assert not [rank.stderr for rank in ranks if "Traceback" in rank.stderr]
+
+
+@pytest.mark.slow
+def test_a_rank_waiting_for_a_group_that_will_not_form_ends_on_sigterm(tmp_path):
+    """A rank whose peer failed before the process group formed waits for it; the launcher's SIGTERM must end that
+    wait (kept for a checkpoint, it left the rank waiting until torch elastic's SIGKILL 30 s later, or forever)."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the launcher's, as launcher_store
+    variables = torchrun_variables(0, 2, store.port, tmp_path / "launch")  # rank 1 never comes
+    rank = subprocess.Popen([sys.executable, "train.py", *QUICK, "--output_dir", str(tmp_path / "run")], cwd=REPO,
+                            env=command_env(variables), stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        for _ in range(1200):  # until rank 0 has joined the store's rendezvous (a guard against a rank that never does)
+            if store.num_keys() > 0 or rank.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert rank.poll() is None and store.num_keys() > 0, rank.stderr.read().decode()[-2000:] if rank.stderr else ""
+        rank.send_signal(signal.SIGTERM)
+        assert rank.wait(timeout=120) == -signal.SIGTERM  # the timeout only guards against the wait going on
+    finally:
+        rank.kill()
+        del store
 
 
 def test_a_wrong_value_in_the_accelerate_config_is_one_line(tmp_path):

@@ -19,7 +19,8 @@ def test_default_example_reaches_95_percent(default_run):
     assert final["step"] == 220  # 10 epochs x (1438 // 64) optimiser steps
     losses = series(rows, "train/loss")
     assert losses[220] < losses[10] / 10
-    assert set(rows[1]) >= {"step", "epoch", "train/loss", "train/lr", "train/grad_norm", "train/samples_per_s"}
+    logged = next(row for row in rows if "train/loss" in row)  # by its keys: a forker's own rows may come between
+    assert set(logged) >= {"step", "epoch", "train/loss", "train/lr", "train/grad_norm", "train/samples_per_s"}
     weights = load_file(out / "model" / "model.safetensors")
     assert any(name.startswith("classifier") for name in weights)
     assert "learning_rate: 0.003" in (out / "config.yaml").read_text()
@@ -32,7 +33,8 @@ def test_main_takes_a_config_object_or_cli_args(tmp_path, fresh_accelerate_state
     config = TrainConfig(output_dir=str(tmp_path / "a"), max_steps=4, logging_steps=2, eval_steps=1000)
     metrics = main(config)
     assert metrics["eval/num_samples"] == 359
-    assert [row["step"] for row in read_metrics(tmp_path / "a")] == [0, 2, 4, 4]
+    rows = read_metrics(tmp_path / "a")
+    assert [row["step"] for row in rows if "train/loss" in row or "eval/loss" in row] == [2, 4, 4]
 
     metrics = main(["--output_dir", str(tmp_path / "b"), "--max_steps", "2", "--eval_steps", "1000"])
     assert metrics["eval/num_samples"] == 359

@@ -10,8 +10,9 @@ from src.features import Feature
 
 class CPUHints(Feature):
     def check_launch(self, use_cpu: bool, config) -> None:
-        """config None: scripts/launch.py's check before it starts the processes, which say it themselves."""
-        if use_cpu and config is not None and os.environ.get("LOCAL_RANK", "0") == "0":
+        """config None: scripts/launch.py's check before it starts the processes, which say it themselves; nothing to
+        say of a run that trains nothing (--do_train false)."""
+        if use_cpu and config is not None and config.do_train and os.environ.get("LOCAL_RANK", "0") == "0":
             for line in slow_cpu_setup(config):
                 say(f"warning: {line}")
 
