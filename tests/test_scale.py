@@ -11,6 +11,7 @@ from tests.conftest import (
     REPO,
     assert_ok,
     assert_processes,
+    free_port,
     read_metrics,
     run_main,
     run_python,
@@ -31,7 +32,7 @@ sys.path.insert(0, {repo!r})
 from accelerate import notebook_launcher
 from train import main
 for args in {runs!r}:  # a second launch from the same process, like re-running a notebook cell
-    notebook_launcher(main, args=(args,), num_processes=2)
+    notebook_launcher(main, args=(args,), num_processes=2, use_port=str({port}))  # not 29500: tests run side by side
 """
 
 # No improvement at steps 20 and 30 (the learning rate moves nothing): patience 2 stops at step 30.
@@ -57,7 +58,8 @@ def launched_twice(tmp_path_factory):
     runs = {"quick": [*QUICK, "--output_dir", str(folder / "quick")],
             "early": [*EARLY_STOPPING, "--output_dir", str(folder / "early")]}  # fmt: skip
     # a process that stopped early alone would leave the other hanging until the deadline (then exit -9)
-    code = LAUNCH_TWICE.format(repo=str(REPO), runs=list(runs.values()), deadline=200, notebook=notebook_code())
+    code = LAUNCH_TWICE.format(repo=str(REPO), runs=list(runs.values()), deadline=200, notebook=notebook_code(),
+                               port=free_port())  # fmt: skip
     result = run_python("-c", code, cwd=NOTEBOOK.parent if NOTEBOOK.is_file() else REPO)
     return result, {name: folder / name for name in runs}
 
