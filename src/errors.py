@@ -139,7 +139,7 @@ def peer_lost(err: Exception) -> bool:
     distributed = sys.modules.get("torch.distributed")
     if int(os.environ.get("WORLD_SIZE", "1")) < 2 or distributed is None:
         return False
-    if isinstance(err, getattr(distributed, "DistError", ())):
+    if isinstance(err, getattr(distributed, "DistNetworkError", ())):  # not all DistErrors: NCCL's own say more
         return True
     return isinstance(err, RuntimeError) and any(f"Connection {how} by peer" in str(err) for how in ("closed", "reset"))
 
