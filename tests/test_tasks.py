@@ -15,7 +15,7 @@ from src.cli import parse_config, resolve
 from src.config import TrainConfig, save_config
 from src.errors import EXIT_TASK_FAILED, LaunchError, TaskFailed, UsageError, describe
 from src.loaders import build_dataloaders, check_first_batch
-from src.run_dir import trained_any_step
+from src.run_dir import run_files, trained_any_step
 from src.tasks import BUILT_IN, build_task, task_class, task_name
 from src.tasks.base import Task, task_errors
 from src.tasks.digits import Digits
@@ -294,6 +294,18 @@ def test_a_run_that_failed_before_its_first_step_blocks_nothing(tmp_path):
     assert not trained_any_step(out)
     (out / "metrics.jsonl").write_text('{"step": 0, "setup/world_size": 1}\n{"step": 10, "train/loss": 2.0}\n')
     assert trained_any_step(out)
+
+
+def test_a_fresh_run_replaces_only_what_a_run_of_its_own_left(tmp_path):
+    """Trackers' files (wandb/, mlflow.db, dvclive/, tensorboard's project folder of event files) count as a previous
+    run's only beside its run files; a folder named like --project_name without event files is never one."""
+    (tmp_path / "wandb").mkdir()
+    (tmp_path / "digits").mkdir()  # e.g. a run of its own, --output_dir runs --project_name digits
+    assert run_files(tmp_path, "digits") == []
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert run_files(tmp_path, "digits") == ["metrics.jsonl", "wandb"]
+    (tmp_path / "digits" / "events.out.tfevents.1.host").write_text("")
+    assert run_files(tmp_path, "digits") == ["metrics.jsonl", "wandb", "digits"]
 
 
 @pytest.mark.slow

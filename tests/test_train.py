@@ -78,17 +78,3 @@ def test_main_in_process_restores_signal_handlers_even_when_training_fails(tmp_p
     ):
         main(TrainConfig(output_dir=str(tmp_path / "run"), max_steps=4, eval_steps=1000))
     assert {name: signal.getsignal(name) for name in before} == before
-
-
-def test_a_fresh_run_replaces_only_what_a_run_of_its_own_left(tmp_path):
-    """Trackers' files (wandb/, mlflow.db, dvclive/, tensorboard's project folder of event files) count as a previous
-    run's only beside its run files; a folder named like --project_name without event files is never one."""
-    from src.run_dir import run_files
-
-    (tmp_path / "wandb").mkdir()
-    (tmp_path / "digits").mkdir()  # e.g. a run of its own, --output_dir runs --project_name digits
-    assert run_files(tmp_path, "digits") == []
-    (tmp_path / "metrics.jsonl").write_text("")
-    assert run_files(tmp_path, "digits") == ["metrics.jsonl", "wandb"]
-    (tmp_path / "digits" / "events.out.tfevents.1.host").write_text("")
-    assert run_files(tmp_path, "digits") == ["metrics.jsonl", "wandb", "digits"]
