@@ -48,12 +48,12 @@ def load_weights(model, path: str):
 def saved_model_dir(path: str) -> Path:
     """A run's model/ folder as given; a run's output_dir -> its model/; a checkpoint -> its exported model/ if any."""
     folder = Path(path)
-    if not folder.is_dir() and folder.name == MODEL_DIR:  # e.g. --do_train false's default: the run's own model/
-        raise UsageError(
-            f"{folder.parent} has no {MODEL_DIR}/ to evaluate (no run finished there): train there first, or name "
-            "a model with --model_name_or_path (a run's model/ or checkpoints/step_<N>/)"
-        )
     if not folder.is_dir():
+        if folder.name == MODEL_DIR:  # e.g. --do_train false's default: the run's own model/
+            raise UsageError(
+                f"{folder.parent} has no {MODEL_DIR}/ to evaluate (no run finished there): train there first, or name "
+                "a model with --model_name_or_path (a run's model/ or checkpoints/step_<N>/)"
+            )
         raise UsageError(f"--model_name_or_path {path}: no such folder (a run's model/ or checkpoints/step_<N>/)")
     if (folder / MODEL_DIR).is_dir() and ((folder / STATE_FILE).is_file() or (folder / CONFIG_FILE).is_file()):
         return folder / MODEL_DIR

@@ -85,8 +85,9 @@ def prepare_output_dir(accelerator, config: TrainConfig, resume_step: int | None
     """Every process checks, then the main process writes: a refused run leaves every file as it was. A previous run
     that never finished an optimiser step holds nothing worth keeping: it is replaced, so the same command reruns."""
     output_dir = Path(config.output_dir)
-    previous = refuse_to_replace(config, resuming=resume_step is not None)
-    replacing = previous and not (resume_step is not None and continues_its_run(config))
+    continuing = resume_step is not None and continues_its_run(config)  # another folder's checkpoint: afresh here
+    previous = refuse_to_replace(config, resuming=continuing)
+    replacing = previous and not continuing
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         if replacing:  # a fresh start: nothing of the previous run's logs may mix into this one

@@ -12,7 +12,7 @@ class IndexBatchesOptions:
     dataloader_index_batches: bool = True  # train data in tensors: each batch one gather by the sampler's indices
 
 
-class IndexBatches(Feature):
+class IndexBatchesFeature(Feature):
     Options = IndexBatchesOptions
 
     def train_batches(self, accelerator, loader, config, collate_fn):
@@ -25,4 +25,4 @@ class IndexBatches(Feature):
         return None if dataset is None else IndexBatches(loader, dataset, accelerator.device)
 
 
-FEATURE = IndexBatches()
+FEATURE = IndexBatchesFeature()
