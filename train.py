@@ -53,7 +53,8 @@ def main(args: list[str] | TrainConfig | None = None) -> dict:
     config = parse_config(args)
     if not config.do_train:
         return evaluate_and_predict(config)
-    with preemption.noted_from_the_start():  # a job preempted as it sets up checkpoints at its first step
+    # a job preempted as it sets up checkpoints at its first step; one run at a time in output_dir
+    with preemption.noted_from_the_start(), run_dir.one_run_at_a_time(config):
         return features.installed().wrap_train(train)(config)  # e.g. retried with a smaller batch: auto_batch_size
 
 

@@ -57,8 +57,12 @@ class TrainingPreempted(RunStopped):
     prefix = "preempted"
 
 
+RANKS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")  # torchrun's, MPI's: as Accelerate reads
+
+
 def is_main_process() -> bool:
-    return os.environ.get("RANK", "0") == "0"
+    """Before the process group forms: what the launcher's variables say."""
+    return all(os.environ.get(name, "0") == "0" for name in RANKS)
 
 
 def say(line: str) -> None:

@@ -1,5 +1,7 @@
 """The run directory (`output_dir`): the names of what a run writes there, and getting it ready without losing a run."""
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -7,7 +9,7 @@ import shutil
 from pathlib import Path
 
 from src.config import TrainConfig, save_config
-from src.errors import UsageError
+from src.errors import UsageError, is_main_process
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +26,43 @@ TRACKER_FILES = ("wandb", MLFLOW_STORE, DVCLIVE_DIR)  # trackers' local files (t
 RUN_FILES = (METRICS_FILE, CONFIG_FILE, CHECKPOINTS_DIR, MODEL_DIR, EVAL_RESULTS_FILE, PREDICTIONS_FILE)
 STATE_FILE = "trainer_state.json"
 TMP_PREFIX = ".tmp_"
+
+
+_held: dict[Path, int] = {}  # folder -> the descriptor through which this process holds its lock
+
+
+@contextlib.contextmanager
+def one_run_at_a_time(config: TrainConfig):
+    """Training holds output_dir until it returns: another run there (the same command twice, a requeued job beside
+    its first) is refused before it reads or writes anything. The system frees a killed run's hold."""
+    held_before = set(_held)
+    claim(Path(config.output_dir))
+    try:
+        yield
+    finally:
+        for folder in set(_held) - held_before:
+            descriptor = _held.pop(folder)
+            fcntl.flock(descriptor, fcntl.LOCK_UN)  # forked data-loader workers share the descriptor: unlock, not close
+            os.close(descriptor)
+
+
+def claim(output_dir: Path) -> None:
+    """The main process locks output_dir (flock), if it exists yet: prepare_output_dir claims a new one once made."""
+    folder = output_dir.resolve()
+    if not is_main_process() or folder in _held or not folder.is_dir():
+        return
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        raise UsageError(
+            f"another run is training in {output_dir}; wait for it to end, or choose another --output_dir"
+        ) from None
+    except OSError:  # a file system without locks (some network ones): unguarded
+        os.close(descriptor)
+        return
+    _held[folder] = descriptor
 
 
 def refuse_to_replace(config: TrainConfig, resuming: bool) -> list[str]:
@@ -90,6 +129,8 @@ def prepare_output_dir(accelerator, config: TrainConfig, resume_step: int | None
     replacing = previous and not continuing
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        claim(output_dir)  # a folder new to this run: held from now, before anything in it changes
         if replacing:  # a fresh start: nothing of the previous run's logs may mix into this one
             logger.info("replacing the previous run in %s (%s)", output_dir, ", ".join(previous))
             for path in (output_dir / name for name in previous):
@@ -110,7 +151,6 @@ def prepare_output_dir(accelerator, config: TrainConfig, resume_step: int | None
         for path in sorted(leftovers):
             logger.warning("removing %s: an incomplete checkpoint, model or upload snapshot of a stopped run", path)
             remove(path)
-        output_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, output_dir / CONFIG_FILE)
     accelerator.wait_for_everyone()
     return output_dir

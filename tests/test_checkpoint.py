@@ -1,14 +1,18 @@
 """Checkpoints and exact resume: a killed or preempted run continues as if nothing happened."""
 
+import fcntl
 import json
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
 
+from src import run_dir
+from src.config import TrainConfig
 from src.errors import EXIT_PREEMPTED
 from src.features import installed_names
 from tests.conftest import (
@@ -411,3 +415,53 @@ def test_a_model_renamed_aside_by_a_stopped_save_is_restored(tmp_path):
     restarted = run_main(*args)
     assert_ok(restarted)
     assert "restoring" in restarted.stderr and (out / "model" / "model.safetensors").read_bytes() == weights
+
+
+def locked_elsewhere(folder) -> bool:
+    """Whether another open description holds folder's lock (flock: even one of this process)."""
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(descriptor)
+
+
+def test_a_folder_is_held_while_a_run_trains_and_freed_after(tmp_path):
+    """run_dir.one_run_at_a_time: a folder new at the start is held once prepare_output_dir makes it; a second claim
+    is refused; leaving frees it, an error too."""
+    out = tmp_path / "run"
+    config = TrainConfig(output_dir=str(out))
+    with run_dir.one_run_at_a_time(config):
+        assert not out.exists() and not run_dir._held  # nothing made before the run's input is checked
+        out.mkdir()
+        run_dir.claim(out)  # what prepare_output_dir does once it made the folder
+        assert locked_elsewhere(out)
+        refused = run_snippet(f"from src import run_dir; run_dir.claim(__import__('pathlib').Path({str(out)!r}))")
+        assert refused.returncode == 1 and f"UsageError: another run is training in {out}" in refused.stderr
+    assert not locked_elsewhere(out)
+    with pytest.raises(RuntimeError), run_dir.one_run_at_a_time(config):
+        assert locked_elsewhere(out)
+        raise RuntimeError("the run failed")
+    assert not locked_elsewhere(out)
+
+
+@pytest.mark.slow
+def test_a_second_run_in_a_folder_where_one_trains_is_refused(tmp_path):
+    """The same command twice, or a requeued job beside its first: the second is refused (one line, exit 2) before it
+    changes anything, and the first trains on unmixed; once it has ended, the folder is free."""
+    out = tmp_path / "run"
+    args = [*QUICK, "--output_dir", str(out), "--save_steps", "2", "--resume_from_checkpoint", "latest"]
+    second, said = [sys.executable, "train.py", *args], tmp_path / "second.txt"
+    hook = (f"if step == 4: r = __import__('subprocess').run({second!r}, capture_output=True, text=True); "
+            f"open({str(said)!r}, 'w').write(f'{{r.returncode}} {{r.stderr.strip().splitlines()[-1]}}')")  # fmt: skip
+    assert_ok(run_with_hook(tmp_path, args, hook=hook))
+    assert (
+        said.read_text() == f"2 error: another run is training in {out}; wait for it to end, or choose another "
+        "--output_dir"
+    )
+    assert [row["step"] for row in read_metrics(out) if "train/loss" in row] == [2, 4, 6]  # one run's lines
+    assert_ok(run_main(*args))  # resumed at its end: nothing to train, the folder free
+    assert not locked_elsewhere(out)
