@@ -57,12 +57,12 @@ class TrainingPreempted(RunStopped):
     prefix = "preempted"
 
 
-RANKS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")  # torchrun's, MPI's: as Accelerate reads
+RANKS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")  # torchrun's, MPI's: Accelerate's order
 
 
 def is_main_process() -> bool:
-    """Before the process group forms: what the launcher's variables say."""
-    return all(os.environ.get(name, "0") == "0" for name in RANKS)
+    """Before the process group forms: what the first rank variable set says."""
+    return next((os.environ[name] for name in RANKS if name in os.environ), "0") == "0"
 
 
 def say(line: str) -> None:
