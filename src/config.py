@@ -79,7 +79,7 @@ class TrainConfig:
     mixed_precision: Literal["no", "fp16", "bf16"] | None = None  # None: from the accelerate config / launcher
     gradient_checkpointing: bool = False  # trade compute for memory, for models that support it
     torch_compile: bool = False  # torch.compile the model (inductor), in place: checkpoints keep the plain keys
-    torch_compile_mode: CompileMode | None = None  # torch.compile's mode, e.g. max-autotune; None: its default
+    torch_compile_mode: CompileMode | None = None  # torch.compile's mode, e.g. max-autotune (compiles); None: default
     tf32: bool | None = None  # TensorFloat-32 matmuls for float32 work on NVIDIA GPUs (Ampere+); None: torch's default
     skip_nonfinite_batches: bool = False  # skip optimiser steps whose gradient is NaN/inf instead of stopping
 
@@ -118,6 +118,8 @@ class TrainConfig:
             problems.append(f"--output_dir {self.output_dir} is a URL; keep --output_dir a local folder")
         if not (self.do_train or self.do_eval or self.do_predict):
             problems.append("--do_train, --do_eval and --do_predict are all false: nothing to do")
+        if self.torch_compile_mode is not None:  # a mode asks for compilation, as in transformers
+            self.torch_compile = True
         if self.load_best_model_at_end and self.metric_for_best_model is None:
             self.metric_for_best_model = "eval/loss"  # as in transformers
         if self.metric_for_best_model:  # "accuracy", as transformers names it, is eval/accuracy

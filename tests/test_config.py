@@ -135,3 +135,9 @@ def test_config_yaml_leaves_out_how_one_launch_treated_its_folder(tmp_path):
     save_config(TrainConfig(overwrite_output_dir=True, resume_from_checkpoint="latest", learning_rate=0.5), path)
     again = parse_config(["--config", str(path), "--output_dir", str(tmp_path / "y")])
     assert (again.overwrite_output_dir, again.resume_from_checkpoint, again.learning_rate) == (False, None, 0.5)
+
+
+def test_a_compile_mode_compiles():
+    """--torch_compile_mode alone compiles, as in transformers; it was dropped without a word."""
+    assert TrainConfig(torch_compile_mode="max-autotune").torch_compile
+    assert not TrainConfig().torch_compile
