@@ -90,6 +90,7 @@ def remove(name: str, root: Path) -> list[Path]:
     removed = feature_paths(name, root)
     for path in removed:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
+    for path in (root / listed for listed in manifest()[name]["paths"]):  # removed, or left out by copier
         with contextlib.suppress(OSError):  # a folder it leaves empty goes too (requirements/tools/), else it stays
             path.parent.rmdir()
     manifest_file = root / "features.yaml"  # its entry goes too: the text, so that the comments stay

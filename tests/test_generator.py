@@ -192,6 +192,8 @@ def test_the_default_project_is_the_lean_core_renamed(lean):
     """`copier copy --defaults`: the core's files only, named my-project everywhere, no trace of any feature, a git
     repository of its own, and its own tests of what the generator touched pass."""
     assert files(lean) == expected_files([])
+    empty = [d for d in lean.rglob("*") if d.is_dir() and ".git" not in d.parts and not any(d.iterdir())]
+    assert empty == []  # no folder whose files copier left out (requirements/tools/ was)
     assert 'name = "my-project"' in (lean / "pyproject.toml").read_text()
     assert 'description = "A training project on Hugging Face Accelerate' in (lean / "pyproject.toml").read_text()
     assert (lean / "README.md").read_text().startswith("# my-project\n")
