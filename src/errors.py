@@ -132,6 +132,7 @@ def command_line(fn):
             if first_to_say():  # none said why: the process that stopped first was killed, or on another node
                 say("error: another process of this launch stopped (killed, or failed on another node), and this one "
                     "with it; the launcher's report names it")  # fmt: skip
+            let_threads_settle()
             sys.exit(1)
 
     return wrapper
