@@ -24,7 +24,10 @@ class Accelerator(accelerate.Accelerator):
 
     def accumulate(self, *models):
         """Without accumulation every micro-batch ends a step and gradients always sync: no context needed."""
-        return contextlib.nullcontext() if self.gradient_state.num_steps == 1 else super().accumulate(*models)
+        if self.gradient_state.num_steps > 1:
+            return super().accumulate(*models)
+        self.sync_gradients = True  # as upstream's sets it: a window an earlier run in this process left open ends
+        return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         if kwargs or not self.plain:

@@ -90,3 +90,22 @@ def test_prepare_leaves_deepspeed_unimported_unless_the_run_is_deepspeed(
     assert accelerator.prepare(model) == (model,)
     assert seen == [None if distributed_type == "FSDP" else "importable"]
     assert "deepspeed" not in sys.modules  # and nothing left behind
+
+
+def test_a_window_an_earlier_run_left_open_does_not_stop_the_next_runs_steps(fresh_accelerate_state):
+    """In one process (a notebook's second `main()`), a run that stopped mid-window with accumulation leaves
+    Accelerate's shared GradientState not syncing: the next run, without accumulation, still steps its optimizer."""
+    earlier = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = earlier.prepare(nn.Linear(2, 1))
+    with earlier.accumulate(model):
+        pass  # the window's first micro-batch, then the run stopped
+    assert not earlier.sync_gradients
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=1)
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    before = [p.detach().clone() for p in model.parameters()]
+    with accelerator.accumulate(model):
+        accelerator.backward(model(torch.ones(1, 2)).sum())
+    optimizer.step()
+    assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
