@@ -92,6 +92,8 @@ def strategy_of(model: nn.Module) -> str:
     """Read off the prepared model, not the config: a silent fallback to DDP shows here."""
     from torch.distributed.tensor import DTensor
 
+    model = getattr(model, "_orig_mod", model)  # --torch_compile's wrapper: the prepared model inside
+
     if type(model).__name__ == "DeepSpeedEngine":  # a prepared DeepSpeed model; deepspeed is not imported otherwise
         return f"DeepSpeed ZeRO-{model.zero_optimization_stage()}"
     dims = {d for p in model.parameters() if isinstance(p, DTensor) for d in p.device_mesh.mesh_dim_names or ("",)}

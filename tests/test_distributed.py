@@ -218,3 +218,19 @@ def test_cpu_steps_do_not_page_fault_their_activations_back_in():
     }
     # with the fix: 0-2.6 on an idle machine, 5.1 beside the full suite; without it: 43 at the least
     assert faults["template"] < 20 < 30 < min(faults["glibc"], faults["template, user's tunables"]), faults
+
+
+def test_the_strategy_is_read_through_torch_compile():
+    """--torch_compile wraps the prepared model: the run's setup/strategy and its checkpoints' strategy (what resume
+    checks) are the prepared model's, DDP here, not "single process"."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from src.strategy import strategy_of
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))
+        assert strategy_of(torch.compile(ddp)) == strategy_of(ddp) == "DDP"  # compiled at its first call: none here
+    finally:
+        dist.destroy_process_group()
