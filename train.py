@@ -238,6 +238,7 @@ def predict(args: list[str] | TrainConfig) -> list[dict]:
         config = parse_config(replace(args, **only))
     else:
         config = parse_config([*(f"--{name}={value}" for name, value in only.items()), *args])
+    config = final_model.model_to_evaluate(config)  # where the rows go: a checkpoint's into its own folder
     evaluate_and_predict(config)
     return [json.loads(line) for line in (Path(config.output_dir) / run_dir.PREDICTIONS_FILE).read_text().splitlines()]
 

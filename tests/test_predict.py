@@ -169,7 +169,7 @@ def test_rows_without_ids_follow_the_input_order_and_say_so(trained, prime_input
 
 
 @pytest.mark.slow
-def test_predict_from_python_returns_the_rows_of_predictions_jsonl(trained, prime_input, monkeypatch):
+def test_predict_from_python_returns_the_rows_of_predictions_jsonl(trained, prime_input, monkeypatch, tmp_path):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.chdir(REPO)
     from train import predict
@@ -177,6 +177,11 @@ def test_predict_from_python_returns_the_rows_of_predictions_jsonl(trained, prim
     rows = predict(["--output_dir", str(trained), "--data_files", f"{{test: {prime_input}}}"])
     assert len(rows) == 97 and rows[0]["id"] == "digit-0" and rows[-1]["id"] == "digit-96"
     assert rows == predictions(trained)
+    run = shutil.copytree(trained, tmp_path / "run")  # a checkpoint's predictions go into its folder: this run's
+    (run / "predictions.jsonl").unlink()  # not what a checkpoint's predictions return
+    checkpoint = max((run / "checkpoints").iterdir())
+    from_checkpoint = predict(["--model_name_or_path", str(checkpoint), "--data_files", f"{{test: {prime_input}}}"])
+    assert from_checkpoint == predictions(checkpoint) and len(from_checkpoint) == 97
 
 
 @pytest.mark.slow
