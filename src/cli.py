@@ -104,8 +104,11 @@ def setting(argv: list[str], name: str):
 
 
 def run_to_evaluate(argv: list[str]) -> tuple[Path | None, dict]:
-    """(run, its config.yaml) whose model eval-only or predict evaluates: --model_name_or_path's or --output_dir's."""
-    model = setting(argv, "model_name_or_path") or setting(argv, "output_dir")
+    """(run, its config.yaml) whose model eval-only or predict evaluates: --model_name_or_path's, --output_dir's or
+    the task's default folder's (runs/digits)."""
+    model = (
+        setting(argv, "model_name_or_path") or setting(argv, "output_dir") or default_output_dir(find_task_name(argv))
+    )
     if str(setting(argv, "do_train")).lower() not in ("false", "0", "no") or not isinstance(model, str) or not model:
         return None, {}  # not a path (e.g. a number in YAML): the parser says so
     path = Path(model)
@@ -221,10 +224,14 @@ def resolve(config: TrainConfig) -> TrainConfig:
     feature_args = resolve_feature_args(config.feature_args)
     # neither given: the task's default files (none: a task whose data is its own; src/data.py says so if it reads)
     data_files = config.data_files if config.dataset_name or config.data_files else cls.default_data_files
-    output_dir = config.output_dir or f"runs/{task_name(config.task)}"
+    output_dir = config.output_dir or default_output_dir(config.task)
     model = config.model_name_or_path or (None if config.do_train else f"{output_dir}/model")  # the run's own model
     resolved = {"data_files": data_files, "output_dir": output_dir, "model_name_or_path": model}
     return dataclasses.replace(config, task_args=options, feature_args=feature_args, **resolved)
+
+
+def default_output_dir(task: str) -> str:
+    return f"runs/{task_name(task)}"
 
 
 def resolve_feature_args(given: dict) -> dict:

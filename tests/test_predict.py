@@ -21,6 +21,7 @@ from src.errors import UsageError
 from src.loaders import build_test_and_predict_loaders
 from src.tasks.base import Task
 from tests.conftest import (
+    QUICK,
     REPO,
     assert_ok,
     read_metrics,
@@ -509,3 +510,14 @@ def test_a_runs_own_config_with_another_output_dir_evaluates_the_runs_model_or_r
     (run / "model").mkdir()
     assert parse_config(flags).model_name_or_path == str(run / "model")
     assert parse_config([*flags, "--model_name_or_path", str(base)]).model_name_or_path == str(base)  # as asked
+
+
+@pytest.mark.slow
+def test_eval_only_in_the_default_folder_takes_the_runs_options(tmp_path):
+    """`python train.py --do_train false` (the README's) after a run with its own task options, both in the default
+    folder runs/digits: the run's config.yaml gives the model's options there too, as where the folder is named."""
+    data = f"{{train: {DIGITS}/train.parquet, eval: {DIGITS}/eval.parquet}}"
+    assert_ok(run_main(*QUICK, "--model", "linear", "--norm", "none", "--data_files", data, cwd=tmp_path))
+    trained = eval_results(tmp_path / "runs" / "digits")
+    assert_ok(run_main("--do_train", "false", cwd=tmp_path))
+    assert eval_results(tmp_path / "runs" / "digits") == pytest.approx(trained, rel=1e-6)
