@@ -29,7 +29,7 @@ def parse_config(argv: "list[str] | TrainConfig | None") -> TrainConfig:
     if isinstance(argv, TrainConfig):
         show_tracebacks(argv.debug)
         return resolve(argv)
-    argv = sys.argv[1:] if argv is None else argv
+    argv = configs_first(sys.argv[1:] if argv is None else argv)
     show_tracebacks(str(setting(argv, "debug")).lower() in ("true", "yes", "1"))  # before anything can fail
     check_config_files(argv)
     run, run_config = run_to_evaluate(argv)
@@ -51,6 +51,20 @@ def parse_config(argv: "list[str] | TrainConfig | None") -> TrainConfig:
     task_args = {k: values.pop(k) for k in option_names}
     feature_args = {f.name: values.pop(f.name) for options in option_classes() for f in dataclasses.fields(options)}
     return own_run_model(argv, resolve(TrainConfig(**values, task_args=task_args, feature_args=feature_args)))
+
+
+def configs_first(argv: list[str]) -> list[str]:
+    """The `--config` files ahead of the flags, in their order: jsonargparse applies each where it stands, so a flag
+    before a file (`--do_train false --config run/config.yaml`) would lose to the file's value."""
+    files, flags, args = [], [], iter(argv)
+    for arg in args:
+        if arg == "--config":
+            files += [arg, next(args, "")]
+        elif arg.startswith("--config="):
+            files.append(arg)
+        else:
+            flags.append(arg)
+    return [*files, *flags]
 
 
 def flag_values(argv: list[str], name: str) -> list[str]:

@@ -19,6 +19,15 @@ def test_yaml_then_command_line_override(tmp_path):
     assert config.report_to == ["wandb", "tensorboard"]
 
 
+def test_flags_beat_config_files_wherever_they_stand(tmp_path):
+    """A flag before a --config file still wins over the file's value, as the pre-read of --do_train or --task
+    (src/cli.py) takes it: jsonargparse alone applies each in its place."""
+    path = tmp_path / "c.yaml"
+    path.write_text("max_steps: 3\nnorm: batch\ndo_train: true\n")
+    config = parse_config(["--max_steps", "2", "--config", str(path), "--do_train", "false", f"--config={path}"])
+    assert (config.max_steps, config.task_args["norm"], config.do_train) == (2, "batch", False)
+
+
 @pytest.mark.parametrize(
     "yaml_text, flags, message",
     [
