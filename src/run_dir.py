@@ -1,6 +1,7 @@
 """The run directory (`output_dir`): the names of what a run writes there, and getting it ready without losing a run."""
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -28,13 +29,15 @@ STATE_FILE = "trainer_state.json"
 TMP_PREFIX = ".tmp_"
 
 
-_held: dict[Path, int] = {}  # folder -> the descriptor through which this process holds its lock
+LOCK_FILE = ".lock"  # locked by the main process of the run training in output_dir (a POSIX lock: its own alone)
+_held: dict[Path, int] = {}  # folder -> the descriptor of its LOCK_FILE, locked by this process
 
 
 @contextlib.contextmanager
 def one_run_at_a_time(config: TrainConfig):
     """Training holds output_dir until it returns: another run there (the same command twice, a requeued job beside
-    its first) is refused before it reads or writes anything. The system frees a killed run's hold."""
+    its first) is refused before it reads or writes anything. The system frees a killed run's hold at once (a POSIX
+    lock is the process's: its forked data-loader workers, still exiting, hold none)."""
     held_before = set(_held)
     claim(Path(config.output_dir))
     try:
@@ -42,26 +45,29 @@ def one_run_at_a_time(config: TrainConfig):
     finally:
         for folder in set(_held) - held_before:
             descriptor = _held.pop(folder)
-            fcntl.flock(descriptor, fcntl.LOCK_UN)  # forked data-loader workers share the descriptor: unlock, not close
+            fcntl.lockf(descriptor, fcntl.LOCK_UN)
             os.close(descriptor)
 
 
-def claim(output_dir: Path) -> None:
-    """The main process locks output_dir (flock), if it exists yet: prepare_output_dir claims a new one once made."""
+def claim(output_dir: Path, make: bool = False) -> None:
+    """The main process locks output_dir's LOCK_FILE, if a run made one there, or makes it (`make`: prepare_output_dir,
+    before it changes anything): nothing is written into a folder before the run's input is checked."""
     folder = output_dir.resolve()
-    if not is_main_process() or folder in _held or not folder.is_dir():
+    if not is_main_process() or folder in _held or not (make or (folder / LOCK_FILE).is_file()):
         return
-    descriptor = os.open(folder, os.O_RDONLY)
     try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(descriptor)
-        raise UsageError(
-            f"another run is training in {output_dir}; wait for it to end, or choose another --output_dir"
-        ) from None
-    except OSError:  # a file system without locks (some network ones): unguarded
-        os.close(descriptor)
+        descriptor = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:  # e.g. another user's run made it: unguarded
         return
+    try:
+        fcntl.lockf(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        os.close(descriptor)
+        if err.errno in (errno.EACCES, errno.EAGAIN):
+            raise UsageError(
+                f"another run is training in {output_dir}; wait for it to end, or choose another --output_dir"
+            ) from None
+        return  # a file system without locks (some network ones): unguarded
     _held[folder] = descriptor
 
 
@@ -130,7 +136,7 @@ def prepare_output_dir(accelerator, config: TrainConfig, resume_step: int | None
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
-        claim(output_dir)  # a folder new to this run: held from now, before anything in it changes
+        claim(output_dir, make=True)  # held from now, before anything in it changes
         if replacing:  # a fresh start: nothing of the previous run's logs may mix into this one
             logger.info("replacing the previous run in %s (%s)", output_dir, ", ".join(previous))
             for path in (output_dir / name for name in previous):

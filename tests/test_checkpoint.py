@@ -1,6 +1,5 @@
 """Checkpoints and exact resume: a killed or preempted run continues as if nothing happened."""
 
-import fcntl
 import json
 import os
 import shutil
@@ -417,35 +416,29 @@ def test_a_model_renamed_aside_by_a_stopped_save_is_restored(tmp_path):
     assert "restoring" in restarted.stderr and (out / "model" / "model.safetensors").read_bytes() == weights
 
 
-def locked_elsewhere(folder) -> bool:
-    """Whether another open description holds folder's lock (flock: even one of this process)."""
-    descriptor = os.open(folder, os.O_RDONLY)
-    try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(descriptor)
+def claimed_elsewhere(folder) -> bool:
+    """Whether another process holds folder's run lock: a fresh process's claim of it is refused."""
+    claim = f"from pathlib import Path; from src import run_dir; run_dir.claim(Path({str(folder)!r}), make=True)"
+    result = run_snippet(claim)
+    assert result.returncode == 0 or f"UsageError: another run is training in {folder}" in result.stderr, result.stderr
+    return result.returncode != 0
 
 
 def test_a_folder_is_held_while_a_run_trains_and_freed_after(tmp_path):
-    """run_dir.one_run_at_a_time: a folder new at the start is held once prepare_output_dir makes it; a second claim
-    is refused; leaving frees it, an error too."""
+    """run_dir.one_run_at_a_time: a folder new at the start is held once prepare_output_dir makes it; another
+    process's claim is refused; leaving frees it, an error too, and a later run claims the folder at its start."""
     out = tmp_path / "run"
     config = TrainConfig(output_dir=str(out))
     with run_dir.one_run_at_a_time(config):
-        assert not out.exists() and not run_dir._held  # nothing made before the run's input is checked
+        assert not out.exists() and not run_dir._held  # nothing written before the run's input is checked
         out.mkdir()
-        run_dir.claim(out)  # what prepare_output_dir does once it made the folder
-        assert locked_elsewhere(out)
-        refused = run_snippet(f"from src import run_dir; run_dir.claim(__import__('pathlib').Path({str(out)!r}))")
-        assert refused.returncode == 1 and f"UsageError: another run is training in {out}" in refused.stderr
-    assert not locked_elsewhere(out)
+        run_dir.claim(out, make=True)  # what prepare_output_dir does once it made the folder
+        assert claimed_elsewhere(out)
+    assert not claimed_elsewhere(out)
     with pytest.raises(RuntimeError), run_dir.one_run_at_a_time(config):
-        assert locked_elsewhere(out)
+        assert claimed_elsewhere(out)  # held from the start: the folder has a run's lock file
         raise RuntimeError("the run failed")
-    assert not locked_elsewhere(out)
+    assert not claimed_elsewhere(out)
 
 
 @pytest.mark.slow
@@ -464,4 +457,4 @@ def test_a_second_run_in_a_folder_where_one_trains_is_refused(tmp_path):
     )
     assert [row["step"] for row in read_metrics(out) if "train/loss" in row] == [2, 4, 6]  # one run's lines
     assert_ok(run_main(*args))  # resumed at its end: nothing to train, the folder free
-    assert not locked_elsewhere(out)
+    assert not claimed_elsewhere(out)
