@@ -6,18 +6,30 @@ from pathlib import Path
 import yaml
 
 from src.accelerator import deepspeed_only_if_used
+from src.checkpoint import all_processes_agree
 from src.config import TrainConfig
-from src.errors import UsageError, one_line
+from src.errors import CheckpointWriteFailed, UsageError, one_line
 from src.run_dir import CONFIG_FILE, MODEL_DIR, STATE_FILE, TMP_PREFIX, move_into_place
 
 
 def save_final_model(accelerator, task, model, output_dir: Path) -> Path:
     """model/ written beside it by every process (sharded models are gathered), then renamed into place: a kill while
-    saving leaves the previous model/ whole."""
+    saving leaves the previous model/ whole; a failed write stops every process in one line, as a checkpoint's."""
     final = output_dir / MODEL_DIR
     partial = final.with_name(TMP_PREFIX + MODEL_DIR)  # a stopped run's: removed at the next start (src/run_dir.py)
-    export_model(accelerator, task, model, partial)
-    accelerator.wait_for_everyone()
+    failure = None
+    try:
+        export_model(accelerator, task, model, partial)
+    except Exception as err:  # a full disk is OSError from Python, RuntimeError from torch.save, safetensors' own
+        failure = err
+    if not all_processes_agree(accelerator, failure is None):
+        reason = f"{type(failure).__name__}: {one_line(failure)[:300]}" if failure else "failed on another process"
+        stopped = CheckpointWriteFailed(
+            f"could not write {final} ({reason}); the checkpoints are intact. Free disk space and resume with "
+            "--resume_from_checkpoint latest: it trains no further and writes the model again"
+        )
+        stopped.said_elsewhere = failure is None  # the process that failed says why
+        raise stopped
     if accelerator.is_main_process:
         move_into_place(partial, final)
     accelerator.wait_for_everyone()

@@ -294,6 +294,28 @@ def test_disk_full_during_checkpoint_keeps_the_previous_one(tmp_path, monkeypatc
 
 
 @pytest.mark.slow
+def test_disk_full_while_the_model_is_saved_is_one_line_and_a_resume_saves_it(tmp_path, monkeypatch):
+    """model/ failing to write after the last checkpoint: exit 74 and one line, as a checkpoint's (it was a
+    traceback), and the resume it names writes model/."""
+    from src.tasks.digits import Digits
+
+    out, original = tmp_path / "run", Digits.save_model
+
+    def save_or_fail(self, accelerator, model, directory):
+        if Path(directory).name == ".tmp_model":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(self, accelerator, model, directory)
+
+    monkeypatch.setattr(Digits, "save_model", save_or_fail)
+    result = run_main(*QUICK, "--output_dir", str(out))
+    assert_error_line(result, rf"could not write {out}/model \(OSError: .*No space left on device\)", EXIT_WRITE_FAILED)
+    assert not (out / "model").exists() and (out / "checkpoints" / "step_6").is_dir()
+    monkeypatch.setattr(Digits, "save_model", original)
+    assert_ok(run_main(*QUICK, "--output_dir", str(out), "--resume_from_checkpoint", "latest"))
+    assert (out / "model" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
 def test_a_checkpoint_folder_that_cannot_be_made_stops_the_run_in_one_line(tmp_path, monkeypatch):
     """checkpoints/ no longer writable (made before the processes agree that they saved: outside it, a traceback)."""
     out, mkdir = tmp_path / "run", Path.mkdir
