@@ -6,6 +6,11 @@ from pathlib import Path
 from src.errors import UsageError
 
 
+def offline() -> bool:
+    """HF_HUB_OFFLINE as set now, read as huggingface_hub reads it (at its import: 1, on, yes, true)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
+
 def check_hub_repo(name: str, kind: str, flag: str, instead: str) -> None:
     """An uncached Hub dataset or model (`kind`): one 10 s request, not ~23 s of retries; `instead`: the offline way."""
     from huggingface_hub import HfApi
@@ -14,7 +19,7 @@ def check_hub_repo(name: str, kind: str, flag: str, instead: str) -> None:
 
     if (Path(HF_HUB_CACHE) / f"{kind}s--{name.replace('/', '--')}").exists():  # cached
         return
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", ""):  # as set now: huggingface_hub reads it at import
+    if offline():
         raise UsageError(f"{kind} {name!r} is not in the local cache and HF_HUB_OFFLINE is set; {instead}")
     try:
         getattr(HfApi(), f"{kind}_info")(name, timeout=10)

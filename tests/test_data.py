@@ -176,9 +176,10 @@ def test_hub_dataset_offline_names_the_setting(monkeypatch, tmp_path):
     )
 
 
-def test_hub_dataset_unreachable_asks_once_with_a_timeout(monkeypatch, tmp_path):
+@pytest.mark.parametrize("setting", ["0", "false"])  # not offline, as huggingface_hub reads it
+def test_hub_dataset_unreachable_asks_once_with_a_timeout(monkeypatch, tmp_path, setting):
     """Without network the Hub path fails after one request with a timeout: `datasets` alone retries for ~23 s."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("HF_HUB_OFFLINE", setting)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     calls = []
 

@@ -1,10 +1,10 @@
 """`--push_to_hub`: model/ uploaded to the Hugging Face Hub at the end of training (checked before it starts)."""
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from src import hub
 from src.errors import UsageError
 from src.features import Feature
 
@@ -26,7 +26,7 @@ class HubPush(Feature):
             return
         from huggingface_hub import get_token
 
-        if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", ""):  # as set now: huggingface_hub reads it at import
+        if hub.offline():
             raise UsageError("--push_to_hub needs the Hugging Face Hub but HF_HUB_OFFLINE is set; unset one of them")
         if get_token() is None:
             raise UsageError("--push_to_hub needs a Hugging Face token: `hf auth login`, or set HF_TOKEN")
