@@ -80,7 +80,9 @@ def resume(accelerator, config: TrainConfig, fresh: TrainerState) -> tuple[Train
             f"{fresh.global_batch}; set --global_batch_size {state.global_batch} to resume it"
         )
     check_sharding(path, state, fresh)
-    if later := [p.name for p in complete_checkpoints(Path(config.output_dir)) if checkpoint_step(p) > state.step]:
+    own = continues_its_run(config)  # else a new run here from its weights: one that --overwrite_output_dir replaces
+    there = [] if config.overwrite_output_dir and not own else complete_checkpoints(Path(config.output_dir))
+    if later := [p.name for p in there if checkpoint_step(p) > state.step]:
         raise UsageError(
             f"--resume_from_checkpoint {path} goes on from step {state.step}, but {config.output_dir} holds later "
             f"checkpoints ({', '.join(later)}) that `latest` would take for this run's; delete them to go on from "
@@ -98,7 +100,6 @@ def resume(accelerator, config: TrainConfig, fresh: TrainerState) -> tuple[Train
     accelerator.step = 0
     logger.info("resuming from %s at step %d", path, state.step)
     state = replace(state, world_size=fresh.world_size, strategy=fresh.strategy)  # this run's, from now
-    own = continues_its_run(config)
     if not own:  # another folder's checkpoint: a new run here from its weights, with trackers of its own
         state.tracker_run_id = None
     best = state.best_model_step

@@ -394,6 +394,10 @@ def test_another_folders_checkpoint_starts_a_new_run(tmp_path):
     result = run_main(*QUICK, "--max_steps", "8", *step_4, "--output_dir", str(trained))
     assert result.returncode == 2 and f"error: {trained} already holds a run" in result.stderr
     assert {path: path.read_bytes() for path in trained.rglob("*") if path.is_file()} == before
+    replace = ["--overwrite_output_dir", "true", "--output_dir", str(tmp_path / "replaced")]
+    shutil.copytree(trained, tmp_path / "replaced")  # its step_6 is no later checkpoint of the run that replaces it
+    assert_ok(run_main(*QUICK, "--max_steps", "8", *step_4, *replace))
+    assert [path.name for path in (tmp_path / "replaced" / "checkpoints").iterdir()] == ["step_8"]
     result = run_main(*QUICK, *best, "--max_steps", "8", *step_4, "--output_dir", str(fresh))
     assert_ok(result)
     assert "the best model so far (step 4) has no checkpoint in" in result.stderr
