@@ -59,7 +59,7 @@ class TrainConfig:
     dataloader_drop_last: bool = True  # full batches only: the same samples per step on 1 or N processes
     max_train_samples: int | None = None  # train on the first N samples only (debugging, overfitting one batch)
     max_eval_samples: int | None = None  # evaluate on the first N samples only
-    max_predict_samples: int | None = None  # test and predict on the first N samples of the test split only
+    max_predict_samples: int | None = None  # test and predict on the first N samples only (test, else eval)
     id_column: str = "id"  # copied into each row of predictions.jsonl when the predicted split has it
 
     # --- optimisation ---
@@ -78,7 +78,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0  # 0 disables clipping
     mixed_precision: Literal["no", "fp16", "bf16"] | None = None  # None: from the accelerate config / launcher
     gradient_checkpointing: bool = False  # trade compute for memory, for models that support it
-    torch_compile: bool = False  # torch.compile the model (inductor), in place: checkpoints keep the plain keys
+    torch_compile: bool = False  # torch.compile the model (inductor); checkpoints and model/ keep its plain keys
     torch_compile_mode: CompileMode | None = None  # torch.compile's mode, e.g. max-autotune (compiles); None: default
     tf32: bool | None = None  # TensorFloat-32 matmuls for float32 work on NVIDIA GPUs (Ampere+); None: torch's default
     skip_nonfinite_batches: bool = False  # skip optimiser steps whose gradient is NaN/inf instead of stopping

@@ -77,7 +77,7 @@ def build_test_and_predict_loaders(task, config: TrainConfig, pin_memory: bool =
     if config.do_predict:
         predict_split = config.test_split if has_test else config.eval_split
         inputs = task.build_eval_dataset(predict_split, labelled=False) if inputs is None else inputs
-        predict_loader = build_eval_loader(inputs, config, task.collate_fn(), config.max_predict_samples)
+        predict_loader = build_eval_loader(inputs, config, task.collate_fn(), config.max_predict_samples, pin_memory)
     return test_loader, predict_split, predict_loader
 
 

@@ -14,7 +14,7 @@ from src.errors import UsageError, is_main_process
 
 logger = logging.getLogger(__name__)
 
-# What a run writes into output_dir, each name spelled once here; --overwrite_output_dir removes exactly these.
+# What a run writes into output_dir, each name spelled once here; a fresh run that replaces one removes these.
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS_DIR = "checkpoints"

@@ -51,7 +51,7 @@ class JsonlTracker(GeneralTracker):
         self.path = Path(path)
 
     def start(self):  # called by init_trackers on the main process only (GeneralTracker.main_process_only)
-        self.tracker = open(self.path, "a", buffering=1)  # noqa: SIM115 (closed in finish); line-buffered: a kill keeps every line
+        self.tracker = open(self.path, "a", buffering=1)  # noqa: SIM115 (closed in finish, or at exit); line-buffered: a kill keeps every line
 
     def log(self, values: dict, step: int | None = None, **kwargs):
         self.tracker.write(json.dumps({"step": step, **values}) + "\n")

@@ -21,6 +21,9 @@ class Feature:
         """`train(config)` as the feature runs it (e.g. again with a smaller batch after running out of memory)."""
         return train
 
+    def check(self, config) -> None:
+        """Before training reads or writes anything, on every process: bad input raises UsageError (exit 2)."""
+
     def check_launch(self, use_cpu: bool, config) -> None:
         """Before the process group forms: raise LaunchError for what's unavailable (config None: scripts/launch.py)."""
 
@@ -28,8 +31,9 @@ class Feature:
         """The Accelerator's arguments for a strategy the feature runs (`cpu` included), or None: not its strategy."""
         return None
 
-    def check(self, config) -> None:
-        """Before training reads or writes anything, on every process: bad input raises UsageError (exit 2)."""
+    def train_loader(self, task, config, pin_memory: bool):
+        """A train DataLoader of the feature's own (e.g. a stream) in place of the in-memory one, or None."""
+        return None
 
     def adapt_model(self, model, accelerator):
         """The model before `accelerator.prepare`, as the feature needs it (e.g. DeepSpeed's inputs cast)."""
@@ -37,10 +41,6 @@ class Feature:
 
     def before_resume(self, accelerator, config) -> None:
         """Before the run looks for a checkpoint to resume from (e.g. fetch a newer one from elsewhere)."""
-
-    def train_loader(self, task, config, pin_memory: bool):
-        """A train DataLoader of the feature's own (e.g. a stream) in place of the in-memory one, or None."""
-        return None
 
     def on_start(self, accelerator, config, resumed: bool) -> None:
         """The output directory is ready (a fresh start cleared it); training is about to start."""

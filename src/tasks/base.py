@@ -46,7 +46,7 @@ class Task:
         raise NotImplementedError(f"{type(self).__name__} must implement build_datasets()")
 
     def build_model(self) -> nn.Module:
-        """Called after build_datasets: a model can be sized from the data (features, labels)."""
+        """In training, called after build_datasets: a model can be sized from the data (features, labels)."""
         raise NotImplementedError(f"{type(self).__name__} must implement build_model()")
 
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
