@@ -174,6 +174,8 @@ def missing_split(config: TrainConfig, name: str, available: list[str]) -> Usage
     """The error for a split the data lacks (read in full or streamed), naming the flag that fixes it."""
     if name == config.train_split:
         flag = "--train_split"
+    elif name == config.eval_split and config.do_train and not config.do_eval:  # a task's build_datasets reads it
+        flag = "--eval_split (the task reads one to train, evaluated or not: --eval_split train will do)"
     elif name == config.eval_split:
         flag = "--eval_split" if config.do_train else "--eval_split (or --do_eval false)"
     else:

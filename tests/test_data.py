@@ -134,6 +134,7 @@ def write_split_files(tmp_path, frame: pd.DataFrame) -> dict:
         (digits_frame("eval").assign(label=11), {}, "labels must lie in 0..9"),
         (digits_frame("eval").head(0), {}, "split is empty|could not read the parquet data files"),
         (digits_frame("eval"), {"eval_split": "validation"}, "no split 'validation'"),
+        (digits_frame("eval"), {"eval_split": "validation", "do_eval": False}, "--eval_split train will do"),
     ],
 )
 def test_bad_data_is_a_usage_error(tmp_path, frame, overrides, message):
