@@ -2,6 +2,7 @@
 
 import logging
 import math
+import weakref
 
 import torch
 from torch import nn
@@ -10,6 +11,8 @@ from src.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
+built: "weakref.WeakSet" = weakref.WeakSet()  # the optimisers and schedules made here: follow_config's to set
+
 
 def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
     """AdamW, no weight decay on 1-D parameters (biases, norms); fused as Trainer's default (`adamw_torch_fused`): one
@@ -17,7 +20,11 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), fused=True)
+    optimizer = torch.optim.AdamW(
+        groups, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), fused=True
+    )
+    built.add(optimizer)
+    return optimizer
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, kind: str) -> float:
@@ -43,13 +50,21 @@ def build_scheduler(optimizer, config: TrainConfig, total_steps: int) -> torch.o
             "(a tenth of the run: %d)", *(warmup, 100 * warmup // total_steps, total_steps, total_steps // 10)
         )  # fmt: skip
     kind = config.lr_scheduler_type
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, warmup, kind))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, warmup, kind))
+    built.add(scheduler)
+    return scheduler
 
 
 def follow_config(optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, config: TrainConfig) -> None:
     """After a resume: the config's learning rate, betas and weight decay, as its config.yaml says, not those the
     checkpoint's optimiser state brought back (a lower --learning_rate after a divergence did nothing); the schedule
-    goes on from the checkpoint's step."""
+    goes on from the checkpoint's step. Only an optimiser and schedule made here: yours resume as their checkpoint
+    saved them."""
+    inner = optimizer
+    while inner is not None and inner not in built:
+        inner = getattr(inner, "optimizer", None)  # inside Accelerate's wrapper (and DeepSpeed's ZeRO optimizer)
+    if inner is None or scheduler not in built or len(optimizer.param_groups) != 2:
+        return
     for group, decay in zip(optimizer.param_groups, (config.weight_decay, 0.0), strict=True):  # build_optimizer's
         group.update(initial_lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), weight_decay=decay)
     scheduler.base_lrs = [config.learning_rate] * len(optimizer.param_groups)

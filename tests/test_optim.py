@@ -153,6 +153,24 @@ def test_a_resume_takes_the_configs_rates_not_the_checkpoints():
     assert resumed.get_last_lr()[0] == pytest.approx(1e-3 * lr_factor(6, total, 2, "cosine"))
 
 
+@pytest.mark.parametrize("groups", [1, 2])
+def test_an_optimiser_and_schedule_of_ones_own_resume_as_saved(groups):
+    """A forker's SGD (one group, or two at their own rates) and schedule in place of build_optimizer's and
+    build_scheduler's: a resume leaves their rates, momentum and weight decay as the checkpoint saved them (it set
+    the config's on every group, or failed on one group)."""
+    model = DigitsCNN()
+    params = list(model.parameters())
+    parts = [{"params": params}] if groups == 1 else [{"params": params[:-2]}, {"params": params[-2:], "lr": 0.05}]
+    optimizer = torch.optim.SGD(parts, lr=0.005, momentum=0.9, weight_decay=1e-4)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+    optimizer.step()
+    scheduler.step()
+    saved = [dict(group, params=None) for group in optimizer.param_groups]
+    follow_config(optimizer, scheduler, TrainConfig(learning_rate=1e-3, weight_decay=0.01))
+    assert [dict(group, params=None) for group in optimizer.param_groups] == saved
+    assert scheduler.get_last_lr() == pytest.approx([group["lr"] for group in saved])
+
+
 @pytest.mark.slow
 def test_a_resumed_run_trains_at_its_new_learning_rate(tmp_path):
     args = ["--max_steps", "4", "--logging_steps", "1", "--save_steps", "2", "--eval_steps", "100",
