@@ -51,11 +51,12 @@ logger = logging.getLogger("train")
 def main(args: list[str] | TrainConfig | None = None) -> dict:
     """Train and evaluate; returns the final eval metrics. `args`: CLI flags, a TrainConfig, or None (sys.argv)."""
     config = parse_config(args)
-    if not config.do_train:
-        return evaluate_and_predict(config)
-    # a job preempted as it sets up checkpoints at its first step; one run at a time in output_dir
-    with preemption.noted_from_the_start(), run_dir.one_run_at_a_time(config):
-        return features.installed().wrap_train(train)(config)  # e.g. retried with a smaller batch: auto_batch_size
+    with tasks.task_errors(tasks.task_class(config.task)):  # the task's code failing, wherever: one line naming it
+        if not config.do_train:
+            return evaluate_and_predict(config)
+        # a job preempted as it sets up checkpoints at its first step; one run at a time in output_dir
+        with preemption.noted_from_the_start(), run_dir.one_run_at_a_time(config):
+            return features.installed().wrap_train(train)(config)  # e.g. retried with a smaller batch: auto_batch_size
 
 
 @dataclass
@@ -82,10 +83,9 @@ def set_up(config: TrainConfig, training: bool) -> Setup:
     set_seed(config.seed)  # same seed on every process: identical initial weights, like a broadcast
     task = tasks.build_task(config)
     pin_memory = accelerator.device.type == "cuda"
-    with tasks.task_errors(task):  # the task's code failing on its data or model: one line naming its method
-        train_loader, eval_loader = loaders.build_loaders(task, config, accelerator, training, pin_memory)
-        test_loader, predict_split, predict_loader = loaders.build_test_and_predict_loaders(task, config, pin_memory)
-        model = tasks.starting_model(task, config, accelerator)  # features adapt it: e.g. LoRA, SyncBatchNorm
+    train_loader, eval_loader = loaders.build_loaders(task, config, accelerator, training, pin_memory)
+    test_loader, predict_split, predict_loader = loaders.build_test_and_predict_loaders(task, config, pin_memory)
+    model = tasks.starting_model(task, config, accelerator)  # features adapt it: e.g. LoRA, SyncBatchNorm
     if config.gradient_checkpointing:
         distributed.enable_gradient_checkpointing(model)
     metric = load_metrics(task.metrics if config.metrics is None else config.metrics)
@@ -149,8 +149,8 @@ def train(config: TrainConfig) -> dict:
     windows = batches.train_windows(source, accumulation, position) if step < total_steps else []  # []: a run finished
     norm_every_step = bool(config.max_grad_norm or config.skip_nonfinite_batches)  # else at log steps only
     model.train()
-    # SIGTERM/SIGUSR1 -> checkpoint (handlers restored however we leave); an error in the task's code -> one line
-    with preemption.PreemptionSignals(accelerator) as signals, tasks.task_errors(task):
+    # SIGTERM/SIGUSR1 -> checkpoint (handlers restored however we leave)
+    with preemption.PreemptionSignals(accelerator) as signals:
         for window in windows:
             log_next = (step + 1) % config.logging_steps == 0 or step + 1 == total_steps
             measure_norm = norm_every_step or log_next
@@ -239,7 +239,8 @@ def predict(args: list[str] | TrainConfig) -> list[dict]:
     else:
         config = parse_config([*(f"--{name}={value}" for name, value in only.items()), *args])
     config = final_model.model_to_evaluate(config)  # where the rows go: a checkpoint's into its own folder
-    evaluate_and_predict(config)
+    with tasks.task_errors(tasks.task_class(config.task)):
+        evaluate_and_predict(config)
     return [json.loads(line) for line in (Path(config.output_dir) / run_dir.PREDICTIONS_FILE).read_text().splitlines()]
 
 
@@ -250,12 +251,11 @@ def evaluate_and_predict(config: TrainConfig) -> dict:
     run_dir.check_writable(Path(config.output_dir))  # said now, not after the evaluation
     run = set_up(config, training=False)  # no trackers: the results go to eval_results.json
     logger.info("using the model in %s; nothing is trained", config.model_name_or_path)
-    with tasks.task_errors(run.task):
-        metrics = {}
-        if config.do_eval:
-            metrics = evaluate(run.task, run.model, run.eval_loader, run.metric, run.accelerator)
-            tracking.log_metrics(run.accelerator, metrics, step=0)
-        metrics = finish(run, config, metrics, step=0)
+    metrics = {}
+    if config.do_eval:
+        metrics = evaluate(run.task, run.model, run.eval_loader, run.metric, run.accelerator)
+        tracking.log_metrics(run.accelerator, metrics, step=0)
+    metrics = finish(run, config, metrics, step=0)
     errors.let_threads_settle(run.accelerator.num_processes)  # before the model is freed: see src/errors.py
     return metrics
 

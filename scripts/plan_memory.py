@@ -162,7 +162,7 @@ def measure(config, fake: str) -> dict:
     use_fake = fake == "true" or (fake == "auto" and too_big_for_ram(task, config, accelerator))
     mode = FakeTensorMode() if use_fake else contextlib.nullcontext()
     measured = {"fake_tensors": use_fake, "batch_sizes": list(sizes), "steps": {}}
-    with mode, tasks.task_errors(task):
+    with mode, tasks.task_errors(type(task)):
         model = tasks.starting_model(task, config, accelerator)
         model.train()
         optimizer = optim.build_optimizer(model, config)

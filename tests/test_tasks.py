@@ -225,15 +225,15 @@ def test_an_error_in_a_task_hook_names_the_hook_and_the_batch():
     task = Broken(TrainConfig())
     model = task.build_model()
     batch = (torch.zeros(4, 1, 8, 8), torch.zeros(4, dtype=torch.long))
-    with pytest.raises(TaskFailed) as info, task_errors(task):
+    with pytest.raises(TaskFailed) as info, task_errors(Broken):
         task.loss(model, batch)
     message = str(info.value)
     assert message.startswith("Broken.loss() failed on a batch (tensor float32 [4, 1, 8, 8], tensor int64 [4]): ")
     assert "\n" not in message
 
-    with pytest.raises(RuntimeError, match="out of memory"), task_errors(task):  # --auto_find_batch_size's signal
+    with pytest.raises(RuntimeError, match="out of memory"), task_errors(Broken):  # --auto_find_batch_size's signal
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
-    with pytest.raises(ZeroDivisionError), task_errors(task):  # not the task's code: left as it is
+    with pytest.raises(ZeroDivisionError), task_errors(Broken):  # not the task's code: left as it is
         _ = 1 / 0
 
 
@@ -448,3 +448,21 @@ def test_a_failing_method_under_torch_no_grad_is_named_as_itself(tmp_path, monke
     assert failed.returncode == EXIT_TASK_FAILED, failed.stderr[-2000:]
     last = failed.stderr.strip().splitlines()[-1]
     assert last.startswith("error: Digits.eval_outputs() failed on a batch ") and "ValueError: an eval bug" in last
+
+
+def test_a_task_method_failing_anywhere_in_the_run_is_one_line(tmp_path, monkeypatch):
+    """Where train.py (or a forker's edit to it) calls the task decides nothing: tokens_per_sample(), read as the
+    meters are made before the loop, fails in one line naming it, as a loss() in the loop does."""
+    from src.tasks.digits import Digits
+
+    def tokens_per_sample(self):
+        raise ValueError("a counting bug")
+
+    monkeypatch.setattr(Digits, "tokens_per_sample", tokens_per_sample)
+    failed = run_main(*QUICK, "--output_dir", str(tmp_path / "run"))
+    assert failed.returncode == EXIT_TASK_FAILED, failed.stderr[-2000:]
+    last = failed.stderr.strip().splitlines()[-1]
+    assert (
+        last
+        == "error: Digits.tokens_per_sample() failed: ValueError: a counting bug (--debug true shows the traceback)"
+    )

@@ -112,15 +112,16 @@ class Task:
 
 
 @contextmanager
-def task_errors(task: Task):
-    """An exception in a task method -> one line naming it and the batch's structure (exit 70); OOM passes through."""
+def task_errors(task_class: type[Task]):
+    """An exception in a method of `task_class` -> one line naming it and the batch's structure (exit 70), wherever
+    the run called it; OOM passes through."""
     try:
         yield
     except Exception as err:
         import torch.distributed as dist
         from accelerate.utils.memory import should_reduce_batch_size
 
-        methods = (inspect.unwrap(getattr(type(task), name, None)) for name in dir(type(task)))  # @torch.no_grad()
+        methods = (inspect.unwrap(getattr(task_class, name, None)) for name in dir(task_class))  # @torch.no_grad()
         method_code = {getattr(method, "__code__", None) for method in methods}
         frame = next((f for f, _ in walk_tb(err.__traceback__) if f.f_code in method_code), None)
         lost_peer = getattr(dist, "DistError", ())  # none: torch without torch.distributed
@@ -135,7 +136,7 @@ def task_errors(task: Task):
         batch = frame.f_locals.get("batch")
         on = f" on a batch {describe(batch)}" if batch is not None else ""
         raise TaskFailed(
-            f"{type(task).__name__}.{frame.f_code.co_name}() failed{on}: {type(err).__name__}: {one_line(err)[:400]} "
+            f"{task_class.__name__}.{frame.f_code.co_name}() failed{on}: {type(err).__name__}: {one_line(err)[:400]} "
             "(--debug true shows the traceback)"
         ) from err
 
