@@ -411,6 +411,12 @@ def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def last_row(rows: list[dict], key: str = "eval/num_samples") -> dict:
+    """The last metrics.jsonl row that logged `key` (by default the final evaluation's): a forker's own rows (an EMA's
+    eval_ema/ after the final eval) may follow it."""
+    return next(row for row in reversed(rows) if key in row)
+
+
 def assert_processes(output_dir: Path, processes: int) -> None:
     """The run really trained on `processes` processes: every start logged (a resumed run logs one per start) says
     so in metrics.jsonl. A launcher that fell back to one process, or N copies that never formed a group, fail it."""

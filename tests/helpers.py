@@ -18,7 +18,7 @@ import torch
 
 from scripts.readme_commands import BASH_BLOCK, section_block, section_commands
 from src.errors import EXIT_USAGE
-from tests.conftest import REPO, free_port, logged_losses, manifest, read_metrics, series
+from tests.conftest import REPO, free_port, last_row, logged_losses, manifest, read_metrics, series
 
 # --- imports, read from the source ---
 
@@ -264,7 +264,7 @@ def assert_same_training(runs: dict, steps: int) -> list[dict]:
     one, two = (losses(runs[n]) for n in (1, 2))
     assert len(one) == steps
     torch.testing.assert_close(two, one, rtol=0, atol=1e-5)
-    final = [read_metrics(runs[n])[-1] for n in (1, 2)]
+    final = [last_row(read_metrics(runs[n])) for n in (1, 2)]
     assert final[1]["eval/loss"] == pytest.approx(final[0]["eval/loss"], abs=1e-5)
     return final
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import QUICK, assert_ok, assert_processes, read_metrics, run_main, run_on, run_python
+from tests.conftest import QUICK, assert_ok, assert_processes, last_row, read_metrics, run_main, run_on, run_python
 from tests.helpers import (
     STRATEGIES,
     assert_error_line,
@@ -65,13 +65,15 @@ def test_only_the_adapter_trains_the_same_on_1_and_2_processes(lm_runs, hf_asset
 @pytest.mark.parametrize("loader", ["peft", "transformers"])
 def test_peft_and_transformers_reload_the_adapter_to_the_logged_eval_loss(lm_runs, hf_assets, loader):
     loss = lm_eval_loss(lm_runs[2] / "model", hf_assets["eval"], peft=loader == "peft")
-    assert loss == pytest.approx(read_metrics(lm_runs[2])[-1]["eval/loss"], rel=1e-5)
+    assert loss == pytest.approx(last_row(read_metrics(lm_runs[2]))["eval/loss"], rel=1e-5)
 
 
 def test_the_merged_model_loads_with_from_pretrained_to_the_eval_loss(lm_runs, hf_assets):
     model = lm_runs[1] / "model"
     assert (model / "config.json").is_file() and not (model / "adapter_config.json").exists()
-    assert lm_eval_loss(model, hf_assets["eval"]) == pytest.approx(read_metrics(lm_runs[1])[-1]["eval/loss"], rel=1e-5)
+    assert lm_eval_loss(model, hf_assets["eval"]) == pytest.approx(
+        last_row(read_metrics(lm_runs[1]))["eval/loss"], rel=1e-5
+    )
 
 
 @pytest.mark.parametrize("processes", [1, 2])
@@ -81,7 +83,7 @@ def test_eval_only_and_predict_on_the_adapter_folder(lm_runs, hf_assets, tmp_pat
     out = tmp_path / "eval"
     assert_ok(run_on(processes, *args, "--model_name_or_path", str(lm_runs[2] / "model"), "--output_dir", str(out)))
     results = json.loads((out / "eval_results.json").read_text())
-    assert results["eval/loss"] == pytest.approx(read_metrics(lm_runs[2])[-1]["eval/loss"], abs=1e-6)
+    assert results["eval/loss"] == pytest.approx(last_row(read_metrics(lm_runs[2]))["eval/loss"], abs=1e-6)
     rows = (out / "predictions.jsonl").read_text().splitlines()
     assert len(rows) == results["eval/num_samples"] == 401
 

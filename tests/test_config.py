@@ -8,7 +8,7 @@ from src.config import LAUNCH_ONLY, TrainConfig, resolve_global_batch, save_conf
 from src.errors import UsageError
 from src.features import option_classes
 from src.tasks.digits import Digits
-from tests.conftest import REPO, assert_ok, read_metrics, run_main
+from tests.conftest import REPO, assert_ok, last_row, read_metrics, run_main
 
 
 def test_yaml_then_command_line_override(tmp_path):
@@ -130,7 +130,8 @@ def test_a_short_run_trains_and_saves_the_options_there_are_and_no_other(tmp_pat
     out = tmp_path / "run"
     short = ["--max_steps", "4", "--logging_steps", "2", "--eval_steps", "4", "--max_eval_samples", "64"]
     assert_ok(run_main(*short, "--output_dir", str(out)))
-    assert read_metrics(out)[-1]["step"] == 4 and read_metrics(out)[-1]["eval/num_samples"] == 64
+    final = last_row(read_metrics(out))
+    assert final["step"] == 4 and final["eval/num_samples"] == 64
     saved = set(yaml.safe_load((out / "config.yaml").read_text()))
     run_fields = {field.name for field in dataclasses.fields(TrainConfig)} - {"task_args", "feature_args", *LAUNCH_ONLY}
     features = {field.name for options in option_classes() for field in dataclasses.fields(options)}

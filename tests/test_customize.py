@@ -24,6 +24,7 @@ from tests.conftest import (
     REPO,
     assert_ok,
     assert_processes,
+    last_row,
     read_metrics,
     run_main,
     run_ranks,
@@ -59,14 +60,15 @@ def test_the_guides_metric_on_the_digits(tmp_path):
     out = tmp_path / "run"
     result = run_main("--max_steps", "120", "--metrics", f"[accuracy, {metric_dir}]", "--output_dir", str(out))
     assert_ok(result)
-    final = read_metrics(out)[-1]
+    final = last_row(read_metrics(out))
     assert final["eval/accuracy"] > 0.9 and final["eval/num_samples"] == 359
     assert 0.85 < final["eval/f1_macro"] <= 1.0
 
 
 def test_a_task_written_from_the_guide_trains_the_same_on_1_and_2_processes(request, tmp_path, monkeypatch, capsys):
     """The guide's task file, verbatim, where the guide puts it: its collate_fn pads variable-length samples, its
-    typed option is a flag saved in config.yaml, and 1 and 2 processes train it identically, to well above chance.
+    typed option is a flag saved in config.yaml, and 1 and 2 processes train it identically, to well above chance
+    (a bar below what the template's AdamW reaches: a forker may train with another optimiser).
     The runs are the guide's own two commands (tests/helpers.py: guide_task_commands, which tests/test_docs.py runs
     as written); the option's checks and help in this process, the file in a package of its own."""
     cwd = guide_task_commands(request)
@@ -81,9 +83,9 @@ def test_a_task_written_from_the_guide_trains_the_same_on_1_and_2_processes(requ
     assert list(losses[0]) == list(range(1, 61)) == list(losses[1])
     torch.testing.assert_close(torch.tensor(list(losses[1].values())), torch.tensor(list(losses[0].values())),
                                atol=1e-5, rtol=0)  # fmt: skip
-    final = [rows[-1] for rows in (one, two)]
+    final = [last_row(rows) for rows in (one, two)]
     assert final[0]["eval/num_samples"] == final[1]["eval/num_samples"] == 101
-    assert final[0]["eval/accuracy"] == final[1]["eval/accuracy"] > 0.8  # 3 classes: chance is 1/3
+    assert final[0]["eval/accuracy"] == final[1]["eval/accuracy"] > 0.6  # 3 classes: chance is 1/3
 
     saved = yaml.safe_load((runs[2] / "config.yaml").read_text())
     assert saved["task"] == "src.tasks.sequences" and saved["embedding_dim"] == 16
@@ -206,7 +208,7 @@ def test_the_guides_ema_is_the_same_on_1_and_2_processes_and_survives_a_resume(t
                          "--output_dir", str(tmp_path / "ema_eval"))  # fmt: skip
     assert_ok(evaluated)
     ema_loss = json.loads((tmp_path / "ema_eval" / "eval_results.json").read_text())["eval/loss"]
-    assert abs(ema_loss - read_metrics(tmp_path / "run1")[-1]["eval/loss"]) > 1e-4
+    assert abs(ema_loss - last_row(read_metrics(tmp_path / "run1"))["eval/loss"]) > 1e-4
 
     resumed = run(1, tmp_path / "resumed", "--resume_from_checkpoint", str(tmp_path / "run1/checkpoints/step_20"))
     for name in one:

@@ -56,7 +56,7 @@ def test_per_step_train_loss_equal_on_1_and_2_processes(one_and_two_processes):
 def test_eval_metrics_equal_on_1_and_2_processes(one_and_two_processes):
     one, two = (one_and_two_processes[n][1] for n in (1, 2))
     for key in ("eval/accuracy", "eval/num_samples"):
-        assert series(one, key) == series(two, key) and len(series(one, key)) == 2
+        assert series(one, key) == series(two, key) and len(series(one, key)) >= 2  # a forker may evaluate more
     torch.testing.assert_close(
         torch.tensor(list(series(two, "eval/loss").values())), torch.tensor(list(series(one, "eval/loss").values()))
     )

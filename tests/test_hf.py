@@ -19,6 +19,7 @@ from tests.conftest import (
     QUICK,
     assert_ok,
     assert_processes,
+    last_row,
     read_metrics,
     run_command,
     run_main,
@@ -105,7 +106,7 @@ def test_saved_model_loads_with_from_pretrained_and_reproduces_the_eval_accuracy
         p.name for p in model_dir.iterdir()
     }
     loaded = predict_with_from_pretrained(model_dir, assets["eval"])
-    assert loaded["accuracy"] == read_metrics(classified[2])[-1]["eval/accuracy"]  # exactly what the run logged
+    assert loaded["accuracy"] == last_row(read_metrics(classified[2]))["eval/accuracy"]  # exactly what the run logged
     labels = sorted({json.loads(line)["label"] for line in Path(assets["eval"]).read_text().splitlines()})
     assert loaded["labels"] == labels and all(isinstance(label, str) for label in labels)  # string labels kept
     assert loaded["pipeline"] == loaded["first"]
@@ -203,7 +204,7 @@ def test_per_micro_batch_means_would_train_differently(assets, modeled, tmp_path
 @pytest.mark.slow
 def test_saved_language_model_reproduces_the_eval_loss(modeled, assets):
     loss = lm_eval_loss(modeled[2] / "model", assets["eval"])
-    assert loss == pytest.approx(read_metrics(modeled[2])[-1]["eval/loss"], rel=1e-5)
+    assert loss == pytest.approx(last_row(read_metrics(modeled[2]))["eval/loss"], rel=1e-5)
 
 
 @pytest.mark.slow
@@ -322,7 +323,7 @@ def test_transformers_is_optional(tmp_path):
     hf_task = ["--task", "text_classification", "--model_name_or_path", "x",
                "--data_files", "{train: a.json, eval: b.json}"]  # fmt: skip
     hf = run_python("-c", WITHOUT_TRANSFORMERS.format(runs=[digits, hf_task]))  # one process: the digits run first
-    assert read_metrics(tmp_path / "run")[-1]["eval/num_samples"] == 359
+    assert last_row(read_metrics(tmp_path / "run"))["eval/num_samples"] == 359
     assert hf.returncode == 2, hf.stderr[-3000:]
     assert hf.stderr.strip().splitlines()[-1] == (
         "error: the Hugging Face tasks need transformers: pip install -r requirements/hf.txt"
@@ -364,8 +365,8 @@ def test_readme_hugging_face_commands_run_as_written(tmp_path, assets):
         assert_ok(result)
     assert "'label': 'comment'" in results[1].stdout  # the pipeline from model/ reads '# a comment' as one
     assert_processes(copy / "runs" / "text_classification", 2)
-    classified = read_metrics(copy / "runs" / "text_classification")[-1]
-    modeled = read_metrics(copy / "runs" / "language_modeling")[-1]
+    classified = last_row(read_metrics(copy / "runs" / "text_classification"))
+    modeled = last_row(read_metrics(copy / "runs" / "language_modeling"))
     assert classified["eval/accuracy"] > 0.9, classified
     assert modeled["eval/loss"] < 0.8 * math.log(2000), modeled  # well below a uniform guess over the vocabulary
 

@@ -25,6 +25,7 @@ from tests.conftest import (
     REPO,
     assert_ok,
     assert_processes,
+    last_row,
     read_metrics,
     run_command,
     run_main,
@@ -167,7 +168,7 @@ def test_augmented_images_train_the_same_on_1_and_2_processes_with_workers(cnn_r
     assert len(one) == 12
     torch.testing.assert_close(two, one, rtol=0, atol=1e-5)
     assert (one - plain).abs().min() > 1e-4  # the augmentation really ran: without it every step's loss differs
-    final = [read_metrics(cnn_runs[n])[-1] for n in (1, 2)]
+    final = [last_row(read_metrics(cnn_runs[n])) for n in (1, 2)]
     assert final[1]["eval/loss"] == pytest.approx(final[0]["eval/loss"], abs=1e-5)
     assert final[1]["eval/accuracy"] == final[0]["eval/accuracy"]
 
@@ -176,7 +177,7 @@ def test_augmented_images_train_the_same_on_1_and_2_processes_with_workers(cnn_r
 def test_every_eval_image_is_counted_once_on_2_processes(cnn_runs, docs):
     images = len(list((docs["cwd"] / "data" / "digit_images" / "eval").glob("*/*.png")))
     assert images == 359  # a prime: 2 processes shard it unevenly
-    assert read_metrics(cnn_runs[2])[-1]["eval/num_samples"] == images
+    assert last_row(read_metrics(cnn_runs[2]))["eval/num_samples"] == images
 
 
 @pytest.mark.slow
@@ -234,7 +235,7 @@ def test_vit_model_reloads_in_a_pipeline_with_the_runs_accuracy_and_predictions(
     assert "'label': '" in printed and any(f"'{name}'" in printed for name in names)
 
     reloaded = classify_with_a_pipeline(run / "model", cwd / "data" / "digit_images" / "eval")
-    final = read_metrics(run)[-1]
+    final = last_row(read_metrics(run))
     assert final["eval/num_samples"] == 359
     assert reloaded["accuracy"] == final["eval/accuracy"]
     predictions = [json.loads(line) for line in (run / "predictions.jsonl").read_text().splitlines()]

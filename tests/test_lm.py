@@ -17,6 +17,7 @@ from tests.conftest import (
     REPO,
     assert_ok,
     assert_processes,
+    last_row,
     logged_losses,
     read_metrics,
     run_command,
@@ -95,7 +96,7 @@ def test_tokens_per_s_is_samples_per_s_times_block_size_and_no_mfu_on_cpu(one_an
 @pytest.mark.slow
 def test_perplexity_is_exp_of_eval_loss(one_and_two_processes):
     for rows in one_and_two_processes.values():
-        final = rows[-1]
+        final = last_row(rows)
         assert final["eval/perplexity"] == pytest.approx(math.exp(final["eval/loss"]), rel=1e-9)
         assert 1 < final["eval/perplexity"] < 256
 

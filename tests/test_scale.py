@@ -12,6 +12,7 @@ from tests.conftest import (
     assert_ok,
     assert_processes,
     free_port,
+    last_row,
     read_metrics,
     run_main,
     run_python,
@@ -92,7 +93,7 @@ def test_early_stopping_stops_every_process_at_the_same_step(launched_twice):
     out = runs["early"]
     assert_processes(out, 2)
     rows = read_metrics(out)
-    assert rows[-1]["step"] == 30  # no improvement at steps 20 and 30
+    assert max(row["step"] for row in rows) == 30  # no improvement at steps 20 and 30
     assert [r["step"] for r in rows if "train/loss" in r] == [10, 20, 30]
     assert (out / "checkpoints" / "step_30").is_dir() and (out / "model" / "model.safetensors").exists()
     assert (result.stdout + result.stderr).count("early stopping at step 30") == 1
@@ -113,7 +114,7 @@ def test_smoke_preset(tmp_path):
     result = run_main("--config", "configs/default.yaml", "--config", "configs/debug/smoke.yaml",
                       "--output_dir", str(out))  # fmt: skip
     assert_ok(result)
-    assert read_metrics(out)[-1]["eval/num_samples"] == 64
+    assert last_row(read_metrics(out))["eval/num_samples"] == 64
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from tests.conftest import (
     REPO,
     assert_ok,
     assert_processes,
+    last_row,
     launch_command,
     read_metrics,
     run_main,
@@ -153,7 +154,9 @@ def test_the_best_model_is_loaded_and_saved_and_reloads_to_its_metric(sharded, t
     config, out, _ = sharded
     rows = read_metrics(out)
     best = {key: value[15] for key in ("eval/loss", "eval/accuracy") if (value := series(rows, key))}
-    assert rows[-1]["best_model/step"] == 15 and best["eval/loss"] > series(rows, "eval/loss")[30]
+    assert (
+        last_row(rows, "best_model/step")["best_model/step"] == 15 and best["eval/loss"] > series(rows, "eval/loss")[30]
+    )
     final = json.loads((out / "eval_results.json").read_text())  # the run's final metrics: the best model's
     assert final["eval/accuracy"] == best["eval/accuracy"] and final["eval/loss"] == pytest.approx(best["eval/loss"])
     result = run_on(2, "--do_train", "false", "--do_predict", "true", "--model_name_or_path", str(out / "model"),
@@ -256,7 +259,7 @@ def test_language_model_trains_as_one_process_does(gpt2_sharded, gpt2_one_proces
     assert list(losses) == list(range(1, 9))
     torch.testing.assert_close(torch.tensor(list(losses.values())), torch.tensor(list(expected.values())),
                                rtol=0, atol=1e-5)  # fmt: skip
-    assert series(rows, "eval/loss")[8] == pytest.approx(gpt2_one_process[-1]["eval/loss"], abs=1e-5)
+    assert series(rows, "eval/loss")[8] == pytest.approx(last_row(gpt2_one_process)["eval/loss"], abs=1e-5)
 
 
 def test_generation_under_sharding_is_one_process_s(gpt2_sharded, tmp_path):
@@ -405,7 +408,7 @@ def test_a_zero_checkpoint_converts_to_a_whole_model_on_one_process(sharded, one
     assert series(rows, "eval/accuracy") == {30: series(reference, "eval/accuracy")[30]}
     assert series(rows, "eval/loss")[30] == pytest.approx(series(reference, "eval/loss")[30], abs=1e-5)
     final = json.loads((out / "eval_results.json").read_text())  # --load_best_model_at_end: the converted step 15
-    assert rows[-1]["best_model/step"] == 15
+    assert last_row(rows, "best_model/step")["best_model/step"] == 15
     assert final["eval/loss"] == pytest.approx(series(reference, "eval/loss")[15], abs=1e-5)
     from scripts.convert_checkpoint import convert
     from src.errors import UsageError

@@ -16,7 +16,7 @@ from scripts import sweep
 from scripts.readme_commands import section_commands
 from src.cli import parse_config
 from src.errors import UsageError
-from tests.conftest import REPO, assert_ok, assert_processes, read_metrics, run_command, run_python
+from tests.conftest import REPO, assert_ok, assert_processes, last_row, read_metrics, run_command, run_python
 from tests.helpers import assert_bash_blocks_run
 
 optuna = pytest.importorskip("optuna")
@@ -212,7 +212,9 @@ def test_readme_sweep_command_runs_as_written(command, tmp_path):
         trial_dir = out / f"trial_{trial.number}"
         assert_processes(trial_dir, 2)
         if trial.state.name == "COMPLETE":
-            assert eval_lines(trial_dir)[-1] == 100 and trial.value == read_metrics(trial_dir)[-1]["eval/accuracy"]
+            assert (
+                eval_lines(trial_dir)[-1] == 100 and trial.value == last_row(read_metrics(trial_dir))["eval/accuracy"]
+            )
         else:  # pruned at its first report after the warmup, and stopped early
             assert trial.last_step == 30 and len(eval_lines(trial_dir)) < full
     assert result.stdout.count("| PRUNED |") == len(pruned) and "best: trial" in result.stdout

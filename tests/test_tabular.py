@@ -15,7 +15,7 @@ from src.config import TrainConfig, save_config
 from src.errors import UsageError
 from src.features.tabular.tabular import Tabular
 from src.tasks import build_task, task_class
-from tests.conftest import QUICK, REPO, assert_ok, read_metrics, run_command, run_main
+from tests.conftest import QUICK, REPO, assert_ok, last_row, read_metrics, run_command, run_main
 from tests.helpers import as_written, docs_code_block, workspace
 
 GUIDE = (REPO / "docs" / "customize.md").read_text()
@@ -131,7 +131,7 @@ def test_the_guides_command_on_a_table_with_its_columns(tmp_path):
         pd.DataFrame(table).to_csv(cwd / "my" / f"{split}.csv", index=False)
     assert_ok(run_command([*as_written(command), *QUICK, "--per_device_train_batch_size", "8",
                            "--global_batch_size", "8", "--output_dir", "run"], cwd=cwd))  # fmt: skip
-    assert read_metrics(cwd / "run")[-1]["eval/num_samples"] == 31
+    assert last_row(read_metrics(cwd / "run"))["eval/num_samples"] == 31
 
 
 @pytest.mark.slow
@@ -149,7 +149,7 @@ def test_digits_as_a_csv_with_an_mlp_and_the_guides_metric(tmp_path):
         "--metrics", f"[accuracy, {metric_dir}]", "--output_dir", str(out),
     )  # fmt: skip
     assert_ok(result)
-    final = read_metrics(out)[-1]
+    final = last_row(read_metrics(out))
     assert final["eval/accuracy"] > 0.9 and final["eval/num_samples"] == 359
     assert 0.85 < final["eval/f1_macro"] <= 1.0
 
