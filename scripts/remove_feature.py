@@ -99,12 +99,22 @@ def remove(name: str, root: Path) -> list[Path]:
     )
     left = list(yaml.safe_load(manifest_file.read_text()) or {})
     edit_pages(root, lambda text: strip_mentions(strip_options_tables(text, name), name, left))
+    if (copier := root / "copier.yml").is_file():  # the generator's questions offer it no more
+        copier.write_text(strip_from_copier(copier.read_text(), name))
     if not left:
         machinery = [root / path for path in MACHINERY if (root / path).is_file()]
         for path in machinery:
             path.unlink()
         removed += machinery
     return removed
+
+
+def strip_from_copier(text: str, name: str) -> str:
+    """copier.yml without the feature: its choice, its paths' exclusions, the validator's clauses naming it."""
+    text = re.sub(rf"^  - \"{{% if '{name}' not in features %}}.*\n", "", text, flags=re.M)
+    text = re.sub(rf"^    - \['{name}: .*', {name}\]\n", "", text, flags=re.M)
+    clause = r"{% if '\w+' in features and '\w+' not in features %}[^{]*{% endif %}"
+    return re.sub(clause, lambda found: "" if f"'{name}'" in found.group(0) else found.group(0), text)
 
 
 def edit_pages(root: Path, edit) -> None:

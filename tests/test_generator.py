@@ -146,23 +146,39 @@ def lean(template, tmp_path_factory) -> Path:
     return generate(template, tmp_path_factory.mktemp("lean") / "my-project")
 
 
-def test_copier_questions_follow_the_manifest():
-    """copier.yml offers each feature of features.yaml but the generator, its help as the choice's text, excludes
-    each of its paths when it is not chosen and refuses one chosen without what it requires."""
-    copier = yaml.safe_load((REPO / "copier.yml").read_text())
-    choices = copier["features"]["choices"]
-    assert [value for _, value in choices] == CHOICES
-    assert [label for label, _ in choices] == [f"{name}: {MANIFEST[name]['help']}" for name in CHOICES]
+def assert_questions_follow(copier_text: str, choices: list[str]) -> None:
+    copier = yaml.safe_load(copier_text)
+    offered = copier["features"]["choices"] or []
+    assert [value for _, value in offered] == choices
+    assert [label for label, _ in offered] == [f"{name}: {MANIFEST[name]['help']}" for name in choices]
     assert copier["features"]["default"] == []
     excluded = copier["_exclude"]
     for name in CHOICES:
         for path in MANIFEST[name]["paths"]:
-            assert f"{{% if '{name}' not in features %}}{path}{{% endif %}}" in excluded, (name, path)
+            assert (f"{{% if '{name}' not in features %}}{path}{{% endif %}}" in excluded) == (name in choices), path
     assert {p for p in MANIFEST["generator"]["paths"] if "{{" not in p} <= set(excluded)
     refusals = re.findall(r"{% if '(\w+)' in features and '(\w+)' not in features %}", copier["features"]["validator"])
     assert sorted(refusals) == sorted(
-        (name, required) for name in CHOICES for required in MANIFEST[name].get("requires", [])
+        (name, required) for name in choices for required in MANIFEST[name].get("requires", [])
     )
+
+
+def test_copier_questions_follow_the_manifest():
+    """copier.yml offers each feature of features.yaml but the generator, its help as the choice's text, excludes
+    each of its paths when it is not chosen and refuses one chosen without what it requires."""
+    assert_questions_follow((REPO / "copier.yml").read_text(), CHOICES)
+
+
+@pytest.mark.parametrize("name", CHOICES)
+def test_a_removed_feature_leaves_the_questions(name):
+    """scripts/remove_feature.py NAME in a repository that keeps the generator: copier.yml offers it (and what
+    requires it) no more, and still follows the manifest that is left."""
+    from scripts.remove_feature import strip_from_copier
+
+    text, gone = (REPO / "copier.yml").read_text(), with_dependents([name])
+    for one in gone:
+        text = strip_from_copier(text, one)
+    assert_questions_follow(text, [one for one in CHOICES if one not in gone])
 
 
 @pytest.mark.slow
