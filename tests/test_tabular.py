@@ -216,3 +216,14 @@ def test_a_test_split_leaves_the_train_statistics_and_classes_in_the_model(tmp_p
     torch.testing.assert_close(weights["0.std"], train.std(dim=0))
     rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
     assert [row["id"] for row in rows] == [f"r{i}" for i in range(250, 300)] and len(rows[0]["probabilities"]) == 2
+
+
+def test_standardised_inputs_keep_their_dtype():
+    """FSDP2's bf16 (fsdp.yaml) casts the inputs and weights, not the buffers: the standardised features stay bf16
+    for the next layer (they became float32: a dtype error in its matmul)."""
+    from src.features.tabular.tabular import Standardize
+
+    standardize = Standardize(torch.tensor([1.0, 2.0]), torch.tensor([2.0, 4.0]))
+    x = torch.tensor([[3.0, 6.0]], dtype=torch.bfloat16)
+    assert standardize(x).dtype == torch.bfloat16 and standardize(x).tolist() == [[1.0, 1.0]]
+    assert standardize(x.float()).dtype == torch.float32

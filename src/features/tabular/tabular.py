@@ -89,7 +89,7 @@ class Standardize(nn.Module):
         self.register_buffer("std", std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (x - self.mean) / self.std
+        return ((x - self.mean) / self.std).to(x.dtype)  # float32 buffers: bf16 inputs (FSDP2's bf16) stay bf16
 
 
 def mlp(num_inputs: int, num_outputs: int, hidden_size: int = 64, num_layers: int = 2) -> nn.Sequential:
