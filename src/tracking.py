@@ -134,6 +134,8 @@ def parameter_count(model, trainable_only: bool = False) -> int:
 
 
 def log_metrics(accelerator, metrics: dict, step: int) -> None:
+    """`metrics` (numbers; a one-value tensor or numpy number is read as one) to the trackers and the console."""
+    metrics = {key: value.item() if hasattr(value, "item") else value for key, value in metrics.items()}
     accelerator.log(metrics, step=step)
     line = " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
     logger.info("step %d | %s", step, line)

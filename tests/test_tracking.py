@@ -230,3 +230,19 @@ def test_a_tracker_that_refuses_its_settings_is_one_line(tmp_path, monkeypatch):
         r"error for Settings run_tags Value error, Tag 'xxx' exceeds 64 characters\)",
     ):
         start_tracking(accelerator, config)
+
+
+def test_a_tensor_or_numpy_number_logs_as_a_number(tmp_path, fresh_accelerate_state):
+    """A forker's `log_metrics(accelerator, {"x": grad_norm}, step)`: the tensor's value in metrics.jsonl (JSON had no
+    way to write a tensor: a traceback at the first log)."""
+    import numpy as np
+    import torch
+    from accelerate import Accelerator
+
+    from src.tracking import JsonlTracker, log_metrics
+
+    accelerator = Accelerator(cpu=True, log_with=[JsonlTracker(tmp_path / "metrics.jsonl")])
+    accelerator.init_trackers("test")
+    log_metrics(accelerator, {"mine/norm": torch.tensor(0.5), "mine/count": np.int64(3), "mine/name": "a"}, step=1)
+    accelerator.end_training()
+    assert read_metrics(tmp_path) == [{"step": 1, "mine/norm": 0.5, "mine/count": 3, "mine/name": "a"}]
