@@ -23,6 +23,7 @@ NON_NEGATIVE = ("weight_decay", "warmup_steps", "max_grad_norm", "dataloader_num
 POSITIVE_OR_NONE = ("global_batch_size", "save_total_limit", "max_train_samples", "max_eval_samples")
 POSITIVE_OR_NONE += ("max_predict_samples", "early_stopping_patience")
 HINTS = {"eval_steps": " (--do_eval false: no evaluation)"}  # unlike --save_steps 0, which saves at the end only
+LOWER_IS_BETTER = ("loss", "perplexity", "error", "mse", "mae", "wer", "cer")  # name endings: rmse, eval/word_error
 NEEDS_EVAL = ("metric_for_best_model", "load_best_model_at_end", "early_stopping_patience")  # evaluations in training
 
 
@@ -90,11 +91,11 @@ class TrainConfig:
     save_total_limit: int | None = 2  # keep the newest N checkpoints; None keeps all
     resume_from_checkpoint: str | None = None  # "latest" (or a fresh start if there is none) or a checkpoint path
     metric_for_best_model: str | None = None  # e.g. eval/accuracy: a new best is checkpointed and never rotated away
-    greater_is_better: bool | None = None  # None: false for a loss or perplexity, true otherwise
+    greater_is_better: bool | None = None  # None: false for a loss, perplexity or error (rmse...)
     load_best_model_at_end: bool = False  # at the end, model/ holds the best checkpoint's weights
     early_stopping_patience: int | None = None  # stop after N evaluations without improvement
     early_stopping_metric: str = "eval/loss"  # any logged eval key (eval/ may be left out)
-    early_stopping_mode: Literal["min", "max"] | None = None  # None: min for a loss or perplexity, max otherwise
+    early_stopping_mode: Literal["min", "max"] | None = None  # None: min for a loss, perplexity or error, else max
     metrics: list[str] | None = None  # accuracy (built in), src/evaluate_metrics/<name>, a path; None: the task's
 
     def __post_init__(self):
@@ -147,8 +148,8 @@ def as_eval_key(metric: str) -> str:
 
 
 def lower_is_better(metric: str) -> bool:
-    """What a metric's name says, as transformers reads it: a loss or perplexity is lower when better."""
-    return metric.endswith(("loss", "perplexity"))
+    """What a metric's name says: a loss (as transformers reads it), a perplexity or an error is lower when better."""
+    return metric.endswith(LOWER_IS_BETTER)
 
 
 def normalize_report_to(value: str | list[str]) -> list[str]:

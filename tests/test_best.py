@@ -86,12 +86,15 @@ def test_a_misspelt_metric_for_best_model_stops_the_run_before_it_writes_anythin
         ("loss", "min", "lowest"),
         ("eval/perplexity", "min", "lowest"),
         ("accuracy", "max", "highest"),
-        ("mae", "max", "highest"),
+        ("mae", "min", "lowest"),
+        ("eval/rmse", "min", "lowest"),
+        ("f1_macro", "max", "highest"),
     ],
 )
 def test_both_flags_name_a_metric_alike_and_read_its_direction_alike(metric, mode, keeps, caplog):
-    """`accuracy` is eval/accuracy for early stopping too; a metric's direction is read off its name for both (a loss
-    or perplexity: lower is better), and the log says which way each keeps, so an error metric read wrongly shows."""
+    """`accuracy` is eval/accuracy for early stopping too; a metric's direction is read off its name for both (a loss,
+    perplexity or error such as rmse: lower is better), and the log says which way each keeps, so a metric read
+    wrongly shows."""
     config = TrainConfig(metric_for_best_model=metric, early_stopping_patience=2, early_stopping_metric=metric)
     assert config.early_stopping_metric == config.metric_for_best_model == f"eval/{metric.removeprefix('eval/')}"
     assert config.early_stopping_mode == mode and config.greater_is_better == (mode == "max")
