@@ -71,7 +71,7 @@ def build_test_and_predict_loaders(task, config: TrainConfig, pin_memory: bool =
     has_test = (config.do_eval or config.do_predict) and has_split(config, config.test_split)
     test_loader = predict_split = predict_loader = inputs = None
     if config.do_eval and has_test:
-        labelled, inputs = labelled_split(task, config.test_split)  # inputs: the split lacks labels, read once
+        labelled, inputs = labelled_split(task, config.test_split, config.do_predict)  # inputs: lacks labels, read once
         if labelled is not None:
             test_loader = build_eval_loader(labelled, config, task.collate_fn(), config.max_predict_samples, pin_memory)
     if config.do_predict:
@@ -81,13 +81,14 @@ def build_test_and_predict_loaders(task, config: TrainConfig, pin_memory: bool =
     return test_loader, predict_split, predict_loader
 
 
-def labelled_split(task, split: str) -> tuple[Dataset | None, Dataset | None]:
+def labelled_split(task, split: str, predicted: bool) -> tuple[Dataset | None, Dataset | None]:
     """(the split with its labels, None); or, said in a warning, (None, its inputs) where it lacks the labels only."""
     try:
         return task.build_eval_dataset(split), None
     except MissingColumns as missing:
         inputs = task.build_eval_dataset(split, labelled=False)  # lacking more than the labels: that error
-        logger.warning("no test/ metrics: %s; it is only predicted (--do_predict)", missing.what)
+        logger.warning("no test/ metrics: %s; %s", missing.what,
+                       "it is only predicted" if predicted else "--do_predict true predicts it")  # fmt: skip
         return None, inputs
 
 

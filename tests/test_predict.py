@@ -207,7 +207,10 @@ def test_an_unlabelled_test_split_is_predicted_not_scored_beside_training(tmp_pa
     out = tmp_path / "run"
     result = run_main("--max_steps", "10", "--data_files", files, "--do_predict", "true", "--output_dir", str(out))
     assert_ok(result)
-    assert "no test/ metrics: the test split has no column label (it has id, pixels)" in result.stderr
+    assert (
+        "no test/ metrics: the test split has no column label (it has id, pixels); it is only predicted"
+        in result.stderr
+    )
     assert not any(key.startswith("test/") for key in eval_results(out)) and "eval/accuracy" in eval_results(out)
     assert [row["id"] for row in predictions(out)] == [f"digit-{i}" for i in range(97)]
     pd.read_parquet(prime_input).drop(columns=["pixels"]).to_parquet(no_inputs := tmp_path / "ids.parquet")
