@@ -160,10 +160,8 @@ def build_parser(name: str, task_cls):
     for options in [TrainConfig, *option_classes(), task_cls.Options]:  # the run's fields, the features', the task's
         names = [f.name for f in dataclasses.fields(options)]
         if clash := sorted(name for name in names if name in owner):
-            raise UsageError(
-                f"{options.__qualname__} fields {', '.join(clash)} clash with {owner[clash[0]]} fields of "
-                "the same name; rename them"
-            )
+            owners = ", ".join(f"{name} ({owner[name]})" for name in clash)
+            raise UsageError(f"{options.__qualname__} fields clash with fields of the same name: {owners}; rename them")
         owner |= dict.fromkeys(names, options.__qualname__)
         helps |= field_help(options)
         parser.add_class_arguments(options, as_group=options is task_cls.Options, skip={"task_args", "feature_args"})

@@ -190,7 +190,14 @@ def test_help_lists_the_tasks_options(capsys, toy):
     assert "--learning_rate" in shown and "--norm" not in shown
 
 
-def test_options_named_like_a_run_field_are_refused(task_module):
+def test_options_named_like_a_run_field_are_refused(task_module, monkeypatch):
+    """Each clashing field with its owner's name: the run's, or a feature's."""
+    import dataclasses
+
+    import src.cli
+
+    feature_options = dataclasses.make_dataclass("SomeFeatureOptions", [("trace_steps", int, 0)])
+    monkeypatch.setattr(src.cli, "option_classes", lambda: [feature_options])
     module = task_module("clashing", """
         from dataclasses import dataclass
         from src.tasks.base import Task
@@ -199,9 +206,12 @@ def test_options_named_like_a_run_field_are_refused(task_module):
             @dataclass
             class Options:
                 learning_rate: float = 0.1
+                trace_steps: int = 0
         """)  # fmt: skip
-    with pytest.raises(UsageError, match="Clashing.Options fields learning_rate clash with TrainConfig"):
+    with pytest.raises(UsageError) as refused:
         parse_config(["--task", module])
+    assert str(refused.value) == ("Clashing.Options fields clash with fields of the same name: learning_rate "
+                                  "(TrainConfig), trace_steps (SomeFeatureOptions); rename them")  # fmt: skip
 
 
 def test_every_built_in_task_subclasses_the_contract():
