@@ -49,6 +49,11 @@ class Accelerator(accelerate.Accelerator):
         with deepspeed_only_if_used(self):
             return super().prepare(*args, device_placement=device_placement)
 
+    def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
+        """Upstream's, minus importing deepspeed to seek an engine unless the run is DeepSpeed (~1-2 s, a warning)."""
+        with deepspeed_only_if_used(self):
+            return super().unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
+
     def prepare_model(self, model: torch.nn.Module, device_placement=None, evaluation_mode: bool = False):
         """Upstream's, minus DDP around a model with nothing to train on CPU processes (eval-only of an adapter): DDP
         refuses one, and upstream leaves it out on GPUs already."""

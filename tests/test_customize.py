@@ -18,7 +18,6 @@ from safetensors.torch import load_file, save_file
 
 from src.cli import parse_config
 from src.errors import UsageError
-from src.imports import hidden
 from tests.conftest import (
     QUICK,
     REPO,
@@ -28,6 +27,7 @@ from tests.conftest import (
     read_metrics,
     run_main,
     run_ranks,
+    run_snippet,
     series,
 )
 from tests.helpers import assert_error_line, guide_task_commands
@@ -134,18 +134,15 @@ def prepare_with_an_ema(self, *objects, **kwargs):
 """
 
 # train.py with the EMA attached; at the end each process writes its EMA as a model folder,
-# <output_dir>/ema<rank>/model.safetensors. deepspeed hidden: Accelerate's unwrap_model (in EMA.update) would import
-# it (~2 s a process) only to find that the model is no DeepSpeedEngine (src/imports.py).
+# <output_dir>/ema<rank>/model.safetensors.
 WITH_EMA = """
 import os, sys
 sys.path.insert(0, {repo!r})
 {attach}
 accelerate.Accelerator.prepare = prepare_with_an_ema
 from safetensors.torch import save_file
-from src.imports import hidden
 import train
-with hidden("deepspeed"):
-    train.main(sys.argv[1:])
+train.main(sys.argv[1:])
 (ema,) = made
 folder = os.path.join(sys.argv[sys.argv.index("--output_dir") + 1], "ema" + os.environ.get("RANK", "0"))
 os.makedirs(folder)
@@ -167,6 +164,31 @@ def test_the_guides_ema_calls_are_the_examples():
     inspect.signature(EMA).bind(*made.args, **{keyword.arg: None for keyword in made.keywords})
 
 
+def test_the_ema_refuses_sharded_weights_and_imports_no_deepspeed():
+    """Under FSDP2 or ZeRO-3 each process holds shards: one line, not deepcopy's assertion. On 1 process its
+    unwrap_model calls leave deepspeed unimported (upstream's imports it to seek an engine: ~2 s and a warning)."""
+    from types import SimpleNamespace
+
+    from scripts.examples.ema import EMA
+
+    for fsdp2, stage in [(True, None), (False, 3)]:
+        sharded = SimpleNamespace(
+            is_fsdp2=fsdp2, state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=stage))
+        )
+        with pytest.raises(UsageError, match="needs whole weights on each process"):
+            EMA(sharded, torch.nn.Linear(2, 2))
+    code = """
+import sys, torch
+from src.accelerator import Accelerator
+from scripts.examples.ema import EMA
+accelerator = Accelerator(cpu=True)
+model = accelerator.prepare(torch.nn.Linear(2, 2))
+EMA(accelerator, model).update(model)
+assert "deepspeed" not in sys.modules
+"""
+    assert_ok(run_snippet(code))
+
+
 @pytest.mark.slow
 def test_the_guides_ema_is_the_same_on_1_and_2_processes_and_survives_a_resume(tmp_path):
     """The guide's EMA in train.py's loop: the averaged weights are the same on 1 and 2 processes, are not the final
@@ -183,7 +205,7 @@ def test_the_guides_ema_is_the_same_on_1_and_2_processes_and_survives_a_resume(t
         if processes == 1:  # in this process: the same EMA, saved as the script saves it
             attached = {}
             exec(ATTACH_EMA, attached)
-            with pytest.MonkeyPatch.context() as patch, hidden("deepspeed"):
+            with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(accelerate.Accelerator, "prepare", attached["prepare_with_an_ema"])
                 assert_ok(run_main(*args))
             (ema,) = attached["made"]
