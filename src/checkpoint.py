@@ -170,18 +170,21 @@ def save_checkpoint(accelerator, config: TrainConfig, state: TrainerState, expor
     if not all_processes_agree(accelerator, failure is None):
         if accelerator.is_main_process:
             shutil.rmtree(partial, ignore_errors=True)
-        reason = f"{type(failure).__name__}: {one_line(failure)[:300]}" if failure else "failed on another process"
-        stopped = CheckpointWriteFailed(
-            f"could not write checkpoint {final} ({reason}); the previous checkpoints are intact. "
-            "Free disk space (or lower --save_total_limit) and resume with --resume_from_checkpoint latest"
-        )
-        stopped.said_elsewhere = failure is None  # the process that failed says why
-        raise stopped
+        raise write_failed(failure, f"checkpoint {final}", "the previous checkpoints are intact. Free disk space (or "
+                           "lower --save_total_limit) and resume with --resume_from_checkpoint latest")  # fmt: skip
     if accelerator.is_main_process:
         move_into_place(partial, final)  # whole or not at all; a step saved again replaces its previous save
         rotate_checkpoints(Path(config.output_dir), config.save_total_limit, keep_step=state.best_model_step)
     accelerator.wait_for_everyone()
     return final
+
+
+def write_failed(failure: Exception | None, what: str, advice: str) -> CheckpointWriteFailed:
+    """The error that stops every process when a write failed on one (`failure` None: on another, which says why)."""
+    reason = f"{type(failure).__name__}: {one_line(failure)[:300]}" if failure else "failed on another process"
+    stopped = CheckpointWriteFailed(f"could not write {what} ({reason}); {advice}")
+    stopped.said_elsewhere = failure is None
+    return stopped
 
 
 def all_processes_agree(accelerator, ok: bool) -> bool:

@@ -6,9 +6,9 @@ from pathlib import Path
 import yaml
 
 from src.accelerator import deepspeed_only_if_used
-from src.checkpoint import all_processes_agree
+from src.checkpoint import all_processes_agree, write_failed
 from src.config import TrainConfig
-from src.errors import CheckpointWriteFailed, UsageError, one_line
+from src.errors import UsageError, one_line
 from src.run_dir import CONFIG_FILE, MODEL_DIR, STATE_FILE, TMP_PREFIX, move_into_place
 
 
@@ -23,13 +23,8 @@ def save_final_model(accelerator, task, model, output_dir: Path) -> Path:
     except Exception as err:  # a full disk is OSError from Python, RuntimeError from torch.save, safetensors' own
         failure = err
     if not all_processes_agree(accelerator, failure is None):
-        reason = f"{type(failure).__name__}: {one_line(failure)[:300]}" if failure else "failed on another process"
-        stopped = CheckpointWriteFailed(
-            f"could not write {final} ({reason}); the checkpoints are intact. Free disk space and resume with "
-            "--resume_from_checkpoint latest: it trains no further and writes the model again"
-        )
-        stopped.said_elsewhere = failure is None  # the process that failed says why
-        raise stopped
+        advice = "the checkpoints are intact. Free disk space and resume with --resume_from_checkpoint latest"
+        raise write_failed(failure, str(final), advice + ": it trains no further and writes the model again")
     if accelerator.is_main_process:
         move_into_place(partial, final)
     accelerator.wait_for_everyone()
