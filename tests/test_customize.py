@@ -171,9 +171,10 @@ def test_the_ema_refuses_sharded_weights_and_imports_no_deepspeed():
 
     from scripts.examples.ema import EMA
 
-    for fsdp2, stage in [(True, None), (False, 3)]:
+    for kind, stage in [("FSDP", None), ("DEEPSPEED", 3)]:  # FSDP: FSDP2 and FSDP1 alike
+        plugin = SimpleNamespace(zero_stage=stage)
         sharded = SimpleNamespace(
-            is_fsdp2=fsdp2, state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=stage))
+            distributed_type=SimpleNamespace(value=kind), state=SimpleNamespace(deepspeed_plugin=plugin)
         )
         with pytest.raises(UsageError, match="needs whole weights on each process"):
             EMA(sharded, torch.nn.Linear(2, 2))

@@ -22,9 +22,12 @@ class EMA:
     about 1 / (1 - decay) updates)."""
 
     def __init__(self, accelerator, model: torch.nn.Module, decay: float = 0.95):
-        if accelerator.is_fsdp2 or getattr(accelerator.state.deepspeed_plugin, "zero_stage", 0) == 3:
+        if (
+            accelerator.distributed_type.value == "FSDP"
+            or getattr(accelerator.state.deepspeed_plugin, "zero_stage", 0) == 3
+        ):
             raise UsageError("the EMA of scripts/examples/ema.py needs whole weights on each process (1 process or "
-                             "DDP): under FSDP2 or ZeRO-3 each holds shards")  # fmt: skip
+                             "DDP), not the shards of FSDP or ZeRO-3")  # fmt: skip
         self.accelerator = accelerator
         self.average = AveragedModel(accelerator.unwrap_model(model), multi_avg_fn=get_ema_multi_avg_fn(decay))
         accelerator.register_for_checkpointing(self.average)  # saved by every save_state, loaded by load_state
