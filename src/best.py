@@ -38,19 +38,18 @@ class BestEvaluation:
             best_model_by = f"{config.metric_for_best_model} {'max' if config.greater_is_better else 'min'}"
         if config.early_stopping_patience:
             early_stopping_by = f"{config.early_stopping_metric} {config.early_stopping_mode}"
-        # a choice this run doesn't make (None) is left as the checkpoint has it, for a later resume that makes it
-        if best_model_by is not None:
-            if state.best_model_by not in (None, best_model_by) and state.best_model_step is not None:
+        # a choice this run doesn't make (None) is dropped without a word: the old best is rotated away as any
+        if state.best_model_by not in (None, best_model_by) and state.best_model_step is not None:
+            if best_model_by is not None:
                 logger.warning("the best model so far was chosen by %s, this run chooses by %s: chosen again from "
                                "the next evaluation on", state.best_model_by, best_model_by)  # fmt: skip
-                state.best_model_step = state.best_model_metric = None
-            state.best_model_by = best_model_by
-        if early_stopping_by is not None:
-            if state.early_stopping_by not in (None, early_stopping_by) and state.best_metric is not None:
+            state.best_model_step = state.best_model_metric = None
+        if state.early_stopping_by not in (None, early_stopping_by) and state.best_metric is not None:
+            if early_stopping_by is not None:
                 logger.warning("early stopping counted evaluations by %s, this run by %s: counted again from the "
                                "next evaluation on", state.early_stopping_by, early_stopping_by)  # fmt: skip
-                state.best_metric, state.evals_without_improvement = None, 0
-            state.early_stopping_by = early_stopping_by
+            state.best_metric, state.evals_without_improvement = None, 0
+        state.best_model_by, state.early_stopping_by = best_model_by, early_stopping_by
 
     @staticmethod
     def check_logged(config: TrainConfig, task, metric: Metric | None) -> None:

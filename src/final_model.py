@@ -1,9 +1,12 @@
 """The final model: `output_dir/model/` in the task's format, written from every process's shards, and read back."""
 
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
 import yaml
+from accelerate.utils.memory import should_reduce_batch_size
+from safetensors import SafetensorError
 
 from src.accelerator import deepspeed_only_if_used
 from src.checkpoint import all_processes_agree, write_failed
@@ -20,9 +23,13 @@ def save_final_model(accelerator, task, model, output_dir: Path) -> Path:
     failure = None
     try:
         export_model(accelerator, task, model, partial)
-    except Exception as err:  # a full disk is OSError from Python, RuntimeError from torch.save, safetensors' own
-        failure = err
+    except (OSError, RuntimeError, SafetensorError) as err:  # a full disk: Python's, torch.save's, safetensors' error
+        if should_reduce_batch_size(err):  # out of memory gathering a sharded model: no write failed
+            raise
+        failure = err  # a task's own bug (another kind) is its one line, not a write's
     if not all_processes_agree(accelerator, failure is None):
+        if accelerator.is_main_process:
+            shutil.rmtree(partial, ignore_errors=True)
         advice = "the checkpoints are intact. Free disk space and resume with --resume_from_checkpoint latest"
         raise write_failed(failure, str(final), advice + ": it trains no further and writes the model again")
     if accelerator.is_main_process:
