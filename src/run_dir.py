@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 from pathlib import Path
 
 from src.config import TrainConfig, save_config
@@ -36,8 +37,8 @@ _held: dict[Path, int] = {}  # folder -> the descriptor of its LOCK_FILE, locked
 @contextlib.contextmanager
 def one_run_at_a_time(config: TrainConfig):
     """Training holds output_dir until it returns: another run there (the same command twice, a requeued job beside
-    its first) is refused before it reads or writes anything. The system frees a killed run's hold at once (a POSIX
-    lock is the process's: its forked data-loader workers, still exiting, hold none)."""
+    its first) is refused. The system frees a killed run's lock at once on a local disk (a POSIX lock is the
+    process's: its forked data-loader workers, still exiting, hold none); see claim for network file systems."""
     held_before = set(_held)
     claim(Path(config.output_dir))
     try:
@@ -45,15 +46,19 @@ def one_run_at_a_time(config: TrainConfig):
     finally:
         for folder in set(_held) - held_before:
             descriptor = _held.pop(folder)
-            fcntl.lockf(descriptor, fcntl.LOCK_UN)
-            os.close(descriptor)
+            with contextlib.suppress(OSError):  # never in place of the run's own exit (a preemption's 75)
+                fcntl.lockf(descriptor, fcntl.LOCK_UN)
+                os.close(descriptor)
 
 
 def claim(output_dir: Path, make: bool = False) -> None:
-    """The main process locks output_dir's LOCK_FILE, if a run made one there, or makes it (`make`: prepare_output_dir,
-    before it changes anything): nothing is written into a folder before the run's input is checked."""
+    """The main process locks output_dir's LOCK_FILE, made where a run left files (or with `make`: prepare_output_dir,
+    before it changes anything), and writes its host and pid there: a lock that outlived a crashed node (a network
+    file system's lease) is named, to be deleted. A folder of no run gets no file before the input is checked."""
     folder = output_dir.resolve()
-    if not is_main_process() or folder in _held or not (make or (folder / LOCK_FILE).is_file()):
+    if not is_main_process() or folder in _held:
+        return
+    if not (make or (folder / LOCK_FILE).is_file() or any((folder / name).exists() for name in RUN_FILES)):
         return
     try:
         descriptor = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
@@ -62,12 +67,17 @@ def claim(output_dir: Path, make: bool = False) -> None:
     try:
         fcntl.lockf(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as err:
+        holder = os.read(descriptor, 200).decode(errors="replace").strip() or "its lock's holder unknown"
         os.close(descriptor)
         if err.errno in (errno.EACCES, errno.EAGAIN):
             raise UsageError(
-                f"another run is training in {output_dir}; wait for it to end, or choose another --output_dir"
+                f"another run is training in {output_dir} ({holder}); wait for it to end, or choose another "
+                f"--output_dir (where none is, the lock of a crashed node on a network file system: delete "
+                f"{output_dir / LOCK_FILE})"
             ) from None
-        return  # a file system without locks (some network ones): unguarded
+        return  # a file system without locks: unguarded
+    os.ftruncate(descriptor, 0)
+    os.write(descriptor, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
     _held[folder] = descriptor
 
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -444,6 +445,15 @@ def test_a_folder_is_held_while_a_run_trains_and_freed_after(tmp_path):
         assert claimed_elsewhere(out)  # held from the start: the folder has a run's lock file
         raise RuntimeError("the run failed")
     assert not claimed_elsewhere(out)
+    older = tmp_path / "older"  # a run's folder from before the lock file: claimed at the start, made there
+    older.mkdir()
+    (older / "config.yaml").write_text("seed: 1\n")
+    with run_dir.one_run_at_a_time(TrainConfig(output_dir=str(older))):
+        assert claimed_elsewhere(older)
+    mine = tmp_path / "mine"  # a folder of no run: nothing written into it at the start
+    mine.mkdir()
+    with run_dir.one_run_at_a_time(TrainConfig(output_dir=str(mine))):
+        assert list(mine.iterdir()) == []
 
 
 @pytest.mark.slow
@@ -456,10 +466,12 @@ def test_a_second_run_in_a_folder_where_one_trains_is_refused(tmp_path):
     hook = (f"if step == 4: r = __import__('subprocess').run({second!r}, capture_output=True, text=True); "
             f"open({str(said)!r}, 'w').write(f'{{r.returncode}} {{r.stderr.strip().splitlines()[-1]}}')")  # fmt: skip
     assert_ok(run_with_hook(tmp_path, args, hook=hook))
-    assert (
-        said.read_text() == f"2 error: another run is training in {out}; wait for it to end, or choose another "
-        "--output_dir"
-    )
+    code, line = said.read_text().split(" ", 1)
+    assert code == "2" and re.fullmatch(
+        rf"error: another run is training in {re.escape(str(out))} \(pid \d+ on [^)]+\); wait for it to end, or "
+        rf"choose another --output_dir \(where none is, .* delete {re.escape(str(out / '.lock'))}\)",
+        line,
+    ), line
     assert [row["step"] for row in read_metrics(out) if "train/loss" in row] == [2, 4, 6]  # one run's lines
     assert_ok(run_main(*args))  # resumed at its end: nothing to train, the folder free
     assert not claimed_elsewhere(out)
