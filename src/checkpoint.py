@@ -118,7 +118,8 @@ def check_sharding(path: Path, saved: TrainerState, fresh: TrainerState) -> None
     """Refuse a checkpoint this run's strategy can't read (`resume`), naming a conversion (`CONVERTS`) if one exists."""
     resharded, pair, whole = saved.strategy == "FSDP2", {saved.strategy, fresh.strategy}, {"single process", "DDP"}
     same_sharding = saved.strategy == fresh.strategy and (resharded or saved.world_size == fresh.world_size)
-    if same_sharding or pair <= whole or saved.strategy is None:  # None: saved before strategies were recorded
+    unknown = saved.strategy is None or (saved.strategy == "single process" and saved.world_size > 1)  # 0.6.0's
+    if same_sharding or pair <= whole or unknown:  # not recorded, or a compiled run's recorded wrongly before 0.7.0
         return
     where = "on any number of processes" if resharded else f"and --num_processes {saved.world_size}"
     to = "DDP" if fresh.strategy in whole else fresh.strategy

@@ -58,11 +58,11 @@ def configs_first(argv: list[str]) -> list[str]:
     before a file (`--do_train false --config run/config.yaml`) would lose to the file's value."""
     files, flags, args = [], [], iter(argv)
     for arg in args:
-        if arg == "--config":
-            files += [arg, next(args, "")]
+        if arg == "--config" and (value := next(args, None)) is not None:
+            files += [arg, value]
         elif arg.startswith("--config="):
             files.append(arg)
-        else:
+        else:  # a flag, its value, or a last --config without one: the parser says so
             flags.append(arg)
     return [*files, *flags]
 

@@ -23,14 +23,14 @@ NON_NEGATIVE = ("weight_decay", "warmup_steps", "max_grad_norm", "dataloader_num
 POSITIVE_OR_NONE = ("global_batch_size", "save_total_limit", "max_train_samples", "max_eval_samples")
 POSITIVE_OR_NONE += ("max_predict_samples", "early_stopping_patience")
 HINTS = {"eval_steps": " (--do_eval false: no evaluation)"}  # unlike --save_steps 0, which saves at the end only
-LOWER_IS_BETTER = ("loss", "perplexity", "error", "mse", "mae", "wer", "cer")  # name endings: rmse, eval/word_error
+ERRORS = ("error", "mse", "rmse", "mae", "mape", "wer", "cer")  # a metric name's last word: eval/rmse, eval/val_error
 NEEDS_EVAL = ("metric_for_best_model", "load_best_model_at_end", "early_stopping_patience")  # evaluations in training
 
 
 @dataclass
 class TrainConfig:
     # --- run ---
-    output_dir: str | None = None  # config.yaml, metrics.jsonl, checkpoints/, model/; None: runs/<task's last name>
+    output_dir: str | None = None  # config.yaml, metrics.jsonl, checkpoints/, model/, .lock; None: runs/<task>
     overwrite_output_dir: bool = False  # allow a fresh run to replace a previous run's files in output_dir
     seed: int = 42  # the same on every process: identical initial weights and data order
     run_name: str | None = None  # wandb run name
@@ -149,7 +149,7 @@ def as_eval_key(metric: str) -> str:
 
 def lower_is_better(metric: str) -> bool:
     """What a metric's name says: a loss (as transformers reads it), a perplexity or an error is lower when better."""
-    return metric.endswith(LOWER_IS_BETTER)
+    return metric.endswith(("loss", "perplexity")) or re.split(r"[/_.-]", metric)[-1].lower() in ERRORS
 
 
 def normalize_report_to(value: str | list[str]) -> list[str]:

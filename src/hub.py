@@ -5,10 +5,12 @@ from pathlib import Path
 
 from src.errors import UsageError
 
+OFFLINE = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
 
 def offline() -> bool:
-    """HF_HUB_OFFLINE as set now, read as huggingface_hub reads it (at its import: 1, on, yes, true)."""
-    return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) as set now, read as huggingface_hub reads it at its import."""
+    return any(os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE") for name in OFFLINE)
 
 
 def check_hub_repo(name: str, kind: str, flag: str, instead: str) -> None:

@@ -1,7 +1,8 @@
 """What a run imports: only what it uses. Some libraries import an optional package wherever installed, just to ask what
 this run knows; `hidden` hides it then: transformers while evaluate is imported (src/metrics.py), deepspeed in
-`Accelerator.prepare` and saving unless the run is DeepSpeed (src/accelerator.py, src/final_model.py), datasets while
-Accelerate shards a loader (src/accelerator.py), mlflow while DeepSpeed is imported (src/features/deepspeed)."""
+`Accelerator.prepare`, `unwrap_model` and saving unless the run is DeepSpeed (src/accelerator.py, src/final_model.py),
+datasets while Accelerate shards a loader (src/accelerator.py), mlflow while DeepSpeed is imported
+(src/features/deepspeed)."""
 
 import contextlib
 import sys

@@ -70,24 +70,26 @@ def test_fsdp_switched_on_after_the_build_takes_upstreams_calls():
         GradientState._reset_state()
 
 
+@pytest.mark.parametrize("method", ["prepare", "unwrap_model"])
 @pytest.mark.parametrize("distributed_type", ["FSDP", "DEEPSPEED"])
-def test_prepare_leaves_deepspeed_unimported_unless_the_run_is_deepspeed(
-    distributed_type, monkeypatch, fresh_accelerate_state
+def test_prepare_and_unwrap_leave_deepspeed_unimported_unless_the_run_is_deepspeed(
+    method, distributed_type, monkeypatch, fresh_accelerate_state
 ):
-    """Upstream's FSDP2 prepare imports deepspeed wherever it is installed, to look for a DeepSpeedEngine; inside
-    prepare it looks uninstalled unless the run is DeepSpeed (whose prepare needs it)."""
+    """Upstream's prepare (under FSDP2) and unwrap_model (always: a forker's EMA calls it each step, ~2 s and a
+    warning) import deepspeed wherever it is installed, to look for a DeepSpeedEngine; inside them it looks
+    uninstalled unless the run is DeepSpeed (whose prepare needs it)."""
     import sys
 
     from accelerate.utils import DistributedType
 
     seen = []
-    monkeypatch.setattr(accelerate.Accelerator, "prepare", lambda self, *args, **kwargs: seen.append(
-        sys.modules.get("deepspeed", "importable")) or args)  # fmt: skip
+    monkeypatch.setattr(accelerate.Accelerator, method, lambda self, model, *args, **kwargs: seen.append(
+        sys.modules.get("deepspeed", "importable")) or model)  # fmt: skip
     monkeypatch.delitem(sys.modules, "deepspeed", raising=False)
     accelerator = Accelerator(cpu=True)
     accelerator.state.distributed_type = DistributedType[distributed_type]
     model = nn.Linear(2, 2)
-    assert accelerator.prepare(model) == (model,)
+    assert getattr(accelerator, method)(model) is model
     assert seen == [None if distributed_type == "FSDP" else "importable"]
     assert "deepspeed" not in sys.modules  # and nothing left behind
 

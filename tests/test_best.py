@@ -89,6 +89,7 @@ def test_a_misspelt_metric_for_best_model_stops_the_run_before_it_writes_anythin
         ("mae", "min", "lowest"),
         ("eval/rmse", "min", "lowest"),
         ("f1_macro", "max", "highest"),
+        ("eval/answer", "max", "highest"),  # a last word, not a name's last letters: no "wer" here
     ],
 )
 def test_both_flags_name_a_metric_alike_and_read_its_direction_alike(metric, mode, keeps, caplog):

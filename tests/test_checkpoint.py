@@ -13,7 +13,7 @@ import pytest
 
 from src import run_dir
 from src.config import TrainConfig
-from src.errors import EXIT_PREEMPTED
+from src.errors import EXIT_PREEMPTED, UsageError
 from src.features import installed_names
 from tests.conftest import (
     QUICK,
@@ -475,3 +475,15 @@ def test_a_second_run_in_a_folder_where_one_trains_is_refused(tmp_path):
     assert [row["step"] for row in read_metrics(out) if "train/loss" in row] == [2, 4, 6]  # one run's lines
     assert_ok(run_main(*args))  # resumed at its end: nothing to train, the folder free
     assert not claimed_elsewhere(out)
+
+
+def test_a_compiled_sharded_runs_checkpoint_of_0_6_0_resumes():
+    """0.6.0 recorded a compiled DDP or FSDP2 run as "single process" on its N processes (strategy_of did not see
+    through torch.compile): such a checkpoint is read as one whose strategy was not recorded, not refused."""
+    from src.checkpoint import TrainerState, check_sharding
+
+    saved = TrainerState(world_size=2, strategy="single process")
+    check_sharding(REPO, saved, TrainerState(world_size=2, strategy="FSDP2"))
+    with pytest.raises(UsageError, match="was saved by single process on 1 processes"):
+        whole = TrainerState(world_size=1, strategy="single process")  # one process: a whole model, recorded right
+        check_sharding(REPO, whole, TrainerState(world_size=2, strategy="FSDP2"))

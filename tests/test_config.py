@@ -26,6 +26,8 @@ def test_flags_beat_config_files_wherever_they_stand(tmp_path):
     path.write_text("max_steps: 3\nnorm: batch\ndo_train: true\n")
     config = parse_config(["--max_steps", "2", "--config", str(path), "--do_train", "false", f"--config={path}"])
     assert (config.max_steps, config.task_args["norm"], config.do_train) == (2, "batch", False)
+    with pytest.raises(UsageError, match="^argument --config: expected one argument"):  # a last one without a file
+        parse_config(["--max_steps", "2", "--config"])
 
 
 @pytest.mark.parametrize(

@@ -617,3 +617,23 @@ def test_a_checkpoint_write_that_failed_on_another_process_stops_this_one_quietl
     with pytest.raises(SystemExit) as exited:
         command_line(stops)()
     assert exited.value.code == EXIT_WRITE_FAILED and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(
+    ("variables", "main"),
+    [
+        ({}, True),
+        ({"RANK": "1"}, False),
+        ({"PMI_RANK": "1"}, False),
+        ({"OMPI_COMM_WORLD_RANK": "0"}, True),
+        ({"RANK": "0", "PMI_RANK": "1"}, True),
+    ],  # fmt: skip  (torchrun's RANK first, as Accelerate reads them)
+)
+def test_the_main_process_before_the_group_forms_is_the_launchers_rank_0(monkeypatch, variables, main):
+    from src.errors import RANKS, is_main_process
+
+    for name in RANKS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    assert is_main_process() is main

@@ -14,7 +14,11 @@ def test_push_to_hub_needs_the_hub_and_a_token(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(UsageError, match="HF_HUB_OFFLINE is set"):
         FEATURE.check(parse_config(["--push_to_hub", "true"]))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "false")  # as huggingface_hub reads it: online ...
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "yes")  # ... but for transformers' own setting, which it reads too
+    with pytest.raises(UsageError, match="HF_HUB_OFFLINE is set"):
+        FEATURE.check(parse_config(["--push_to_hub", "true"]))
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE")
     monkeypatch.setenv("HF_TOKEN", "")
     monkeypatch.setattr("huggingface_hub.get_token", lambda: None)
     with pytest.raises(UsageError, match="needs a Hugging Face token"):
