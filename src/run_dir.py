@@ -52,13 +52,11 @@ def one_run_at_a_time(config: TrainConfig):
 
 
 def claim(output_dir: Path, make: bool = False) -> None:
-    """The main process locks output_dir's LOCK_FILE, made where a run left files (or with `make`: prepare_output_dir,
-    before it changes anything), and writes its host and pid there: a lock that outlived a crashed node (a network
-    file system's lease) is named, to be deleted. A folder of no run gets no file before the input is checked."""
+    """The main process locks output_dir's LOCK_FILE if a run made one there, or makes it (`make`: prepare_output_dir,
+    before it changes anything): a refused run writes nothing. It writes its pid and host there: a lock that outlived
+    a crashed node (a network file system's lease) is named, to be deleted."""
     folder = output_dir.resolve()
-    if not is_main_process() or folder in _held:
-        return
-    if not (make or (folder / LOCK_FILE).is_file() or any((folder / name).exists() for name in RUN_FILES)):
+    if not is_main_process() or folder in _held or not (make or (folder / LOCK_FILE).is_file()):
         return
     try:
         descriptor = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
