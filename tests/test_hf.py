@@ -377,9 +377,9 @@ def test_readme_hugging_face_commands_run_as_written(tmp_path, assets):
     adapted = copy / "runs" / "gpt2_lora"
     trained = read_metrics(adapted)
     assert trained[0]["setup/trainable_parameters"] < trained[0]["setup/parameters"] / 50  # the adapters only
-    assert trained[-1]["eval/loss"] < modeled["eval/loss"]  # better than the base model they adapt
+    assert last_row(trained)["eval/loss"] < modeled["eval/loss"]  # better than the base model they adapt
     assert json.loads((adapted / "eval_results.json").read_text())["eval/loss"] == pytest.approx(
-        trained[-1]["eval/loss"], abs=1e-6
+        last_row(trained)["eval/loss"], abs=1e-6
     )  # the eval-only command evaluated the adapter, not the base model
     # transformers' pipeline loaded the adapter folder (the text's repr is in double quotes where it holds a quote)
     assert re.search(r"'generated_text': ['\"]def ", results[2].stdout), results[2].stdout

@@ -78,7 +78,7 @@ def test_1_and_2_processes_train_the_same(one_and_two_processes):
     one, two = (series(one_and_two_processes[n], "train/loss") for n in (1, 2))
     assert list(one) == list(range(1, 31)) and list(two) == list(one)
     assert two == one  # every step's loss, exactly
-    eval_one, eval_two = (one_and_two_processes[n][-1] for n in (1, 2))
+    eval_one, eval_two = (last_row(one_and_two_processes[n]) for n in (1, 2))
     assert eval_one["eval/num_samples"] == eval_two["eval/num_samples"] == 16384 // 129
     assert eval_two["eval/loss"] == eval_one["eval/loss"]
 

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from tests.conftest import assert_ok, assert_processes, read_metrics, run_command, run_main, series
+from tests.conftest import assert_ok, assert_processes, last_row, read_metrics, run_command, run_main, series
 
 # 20 steps at the learning rate where 1 and 2 processes agree to float rounding (docs/how_it_works.md)
 SAME_RUN = ["--learning_rate", "1e-3", "--max_steps", "20", "--logging_steps", "1", "--eval_steps", "1000"]
@@ -23,5 +23,5 @@ def test_torchrun_two_processes_train_like_one(tmp_path):
     losses_two, losses_one = series(two, "train/loss"), series(one, "train/loss")
     assert list(losses_two) == list(losses_one) == list(range(1, 21))
     assert max(abs(losses_two[step] - losses_one[step]) for step in losses_one) <= 1e-5
-    assert two[-1]["eval/accuracy"] == one[-1]["eval/accuracy"]
-    assert two[-1]["eval/num_samples"] == one[-1]["eval/num_samples"] == 359
+    assert last_row(two)["eval/accuracy"] == last_row(one)["eval/accuracy"]
+    assert last_row(two)["eval/num_samples"] == last_row(one)["eval/num_samples"] == 359

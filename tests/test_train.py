@@ -6,14 +6,14 @@ import pytest
 from safetensors.torch import load_file
 
 from src.config import TrainConfig
-from tests.conftest import QUICK, assert_ok, read_metrics, run_main, series
+from tests.conftest import QUICK, assert_ok, last_row, read_metrics, run_main, series
 
 
 @pytest.mark.slow
 def test_default_example_reaches_95_percent(default_run):
     out = default_run  # `python train.py`, trained once per test run (tests/conftest.py)
     rows = read_metrics(out)
-    final = rows[-1]
+    final = last_row(rows)
     assert final["eval/accuracy"] >= 0.95, final
     assert final["eval/num_samples"] == 359
     assert final["step"] == 220  # 10 epochs x (1438 // 64) optimiser steps
