@@ -108,6 +108,8 @@ def train(config: TrainConfig) -> dict:
     run_dir.refuse_to_replace(config, resuming=bool(config.resume_from_checkpoint))  # before the data is read
     run = set_up(config, training=True)
     BestEvaluation.check_logged(config, run.task, run.metric)  # a misspelt watched metric: said before any step
+    if config.do_eval:  # an eval bug: said before any step, not at the first evaluation
+        tasks.check_eval_outputs(run.task, run.saved_model, run.eval_loader, run.metric, run.accelerator)
     accelerator, task, model, metric, eval_loader = run.accelerator, run.task, run.model, run.metric, run.eval_loader
     accumulation = accelerator.gradient_accumulation_steps
     global_batch = loaders.global_batch(config, accelerator)  # the same on any process count

@@ -458,6 +458,33 @@ def test_a_failing_method_under_torch_no_grad_is_named_as_itself(tmp_path, monke
     assert failed.returncode == EXIT_TASK_FAILED, failed.stderr[-2000:]
     last = failed.stderr.strip().splitlines()[-1]
     assert last.startswith("error: Digits.eval_outputs() failed on a batch ") and "ValueError: an eval bug" in last
+    assert not (tmp_path / "run").exists()  # said before training (check_eval_outputs): nothing written, nothing lost
+
+
+@pytest.mark.parametrize(
+    ("outputs", "said"),
+    [(lambda loss: {"loss": loss}, "it must give a dict of loss, weight, predictions, references"),
+     (lambda loss: {"loss": loss.mean(), "weight": torch.ones_like(loss), "predictions": loss, "references": loss},
+      "each must be a tensor of one value per sample, the batch along dim 0"),
+     (lambda loss: {"loss": loss, "weight": torch.ones(1), "predictions": loss, "references": loss},
+      "each must be a tensor of one value per sample, the batch along dim 0")],
+)  # fmt: skip
+def test_eval_outputs_evaluation_cannot_use_are_said_before_training(tmp_path, monkeypatch, outputs, said):
+    """A task's eval_outputs() that fails, or gives what evaluation can't use (a key missing, a batch mean, another
+    length), is one line before the first step, not at the first evaluation (steps past the last checkpoint lost);
+    nothing is written."""
+    from src.tasks.digits import Digits
+
+    def eval_outputs(self, model, batch):
+        inputs, labels = batch
+        return outputs(torch.nn.functional.cross_entropy(model(inputs), labels, reduction="none"))
+
+    monkeypatch.setattr(Digits, "eval_outputs", eval_outputs)
+    failed = run_main(*QUICK, "--output_dir", str(tmp_path / "run"))
+    assert failed.returncode == EXIT_TASK_FAILED, failed.stderr[-2000:]
+    last = failed.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: Digits.eval_outputs() gave ") and said in last, last
+    assert not (tmp_path / "run").exists() and "step 1 " not in failed.stderr
 
 
 def test_a_task_method_failing_anywhere_in_the_run_is_one_line(tmp_path, monkeypatch):
