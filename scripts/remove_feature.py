@@ -23,7 +23,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
+try:
+    import yaml
+except ModuleNotFoundError:  # a Python without the project's packages (python3, not .venv's)
+    print("error: scripts/remove_feature.py reads features.yaml with PyYAML, which this Python lacks: run it with "
+          ".venv/bin/python (bash scripts/setup.sh makes .venv)", file=sys.stderr)  # fmt: skip
+    sys.exit(2)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script: scripts/ is on the path, not the repository
