@@ -188,8 +188,8 @@ def test_keep_removes_every_other_feature_but_what_the_kept_ones_require(tmp_pat
     refused = subprocess.run([sys.executable, "scripts/remove_feature.py", "--keep"], cwd=project, capture_output=True,
                              text=True, timeout=120)  # fmt: skip
     assert refused.returncode == 2 and refused.stderr.startswith("error: --keep takes the features to keep")
-    bare = subprocess.run([sys.executable, "-S", "scripts/remove_feature.py", "--keep", "images"], cwd=project,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip  (-S: no site-packages, no PyYAML)
+    bare = [sys.executable, "-S", "scripts/remove_feature.py", "--keep", "images"]  # -S: no site-packages, no PyYAML
+    bare = subprocess.run(bare, cwd=project, capture_output=True, text=True, timeout=120)
     assert bare.returncode == 2 and bare.stderr.startswith("error: scripts/remove_feature.py reads features.yaml with ")
     script = [sys.executable, "scripts/remove_feature.py", "--keep", "gpt", "images"]
     result = subprocess.run(script, cwd=project, capture_output=True, text=True, timeout=120)
