@@ -32,6 +32,7 @@ def setup_logging(accelerator) -> None:
     # The one place filtering warnings (bar quiet_peft's): each once on the main (libraries reset once-per-line memory)
     if not accelerator.is_main_process:
         warnings.filterwarnings("ignore")
+        logging.getLogger("torch").setLevel(logging.ERROR)  # torch's own handlers (torch._logging): not the root's
         return
     for category in (FutureWarning, UserWarning):
         warnings.filterwarnings("once", category=category)

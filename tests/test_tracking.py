@@ -246,3 +246,24 @@ def test_a_tensor_or_numpy_number_logs_as_a_number(tmp_path, fresh_accelerate_st
     log_metrics(accelerator, {"mine/norm": torch.tensor(0.5), "mine/count": np.int64(3), "mine/name": "a"}, step=1)
     accelerator.end_training()
     assert read_metrics(tmp_path) == [{"step": 1, "mine/norm": 0.5, "mine/count": 3, "mine/name": "a"}]
+
+
+def test_other_processes_silence_torchs_own_loggers_too():
+    """torch's loggers have handlers of their own (torch._logging), not the root's: dynamo's warnings under
+    --torch_compile came from every process ("[rank1]:W... Profiler record function ... will be ignored")."""
+    import logging
+    import warnings
+
+    from src.tracking import setup_logging
+
+    torch_logger, root = logging.getLogger("torch"), logging.getLogger()
+    saved = torch_logger.level, root.level, list(root.handlers)
+    try:
+        with warnings.catch_warnings():
+            setup_logging(SimpleNamespace(is_main_process=False))
+        assert not logging.getLogger("torch._dynamo").isEnabledFor(logging.WARNING)
+        assert logging.getLogger("torch._dynamo").isEnabledFor(logging.ERROR)  # errors still said
+    finally:
+        torch_logger.setLevel(saved[0])
+        root.setLevel(saved[1])
+        root.handlers[:] = saved[2]
