@@ -26,7 +26,7 @@ def build_loaders(task, config: TrainConfig, accelerator, training: bool, pin_me
         train_set, eval_set = task.build_datasets()
         collate_fn = task.collate_fn()  # after the datasets: e.g. a padding collator needs the tokenizer they loaded
         train_loader, eval_loader = build_dataloaders(train_set, eval_set, config, collate_fn, pin_memory)
-        check_split_sizes(train_loader, eval_loader, global_batch(config, accelerator), accelerator.num_processes)
+        check_split_size(train_loader, global_batch(config, accelerator))
         check_first_batch(train_loader, task)
         return train_loader, eval_loader
     if not (training or config.do_eval):
@@ -110,19 +110,15 @@ def check_first_batch(loader: DataLoader, task) -> None:
         ) from err
 
 
-def check_split_sizes(train_loader: DataLoader, eval_loader: DataLoader, global_batch: int, num_processes: int) -> None:
-    """Before `prepare`: a train split without one global batch, or fewer eval samples than processes, is an error."""
-    train_size, eval_size = len(train_loader.dataset), len(eval_loader.dataset)
+def check_split_size(train_loader: DataLoader, global_batch: int) -> None:
+    """Before `prepare`: a train split without one global batch is an error. (An eval split may hold fewer samples than
+    processes: their shares are padding, which `gather_for_metrics` drops.)"""
+    train_size = len(train_loader.dataset)
     if train_size < global_batch:
         more = "raise --max_train_samples" if isinstance(train_loader.dataset, Subset) else "use more data"
         raise UsageError(
             f"the train split has {train_size} samples, fewer than one global batch of {global_batch}; "
             f"lower --global_batch_size / --per_device_train_batch_size or {more}"
-        )
-    if eval_size < num_processes:
-        raise UsageError(
-            f"the eval split has {eval_size} samples, fewer than the {num_processes} processes; "
-            "use a larger eval split or fewer processes"
         )
     left_out = train_size % global_batch  # an epoch is whole global batches: the rest waits for the next epoch
     if left_out > 0.1 * train_size:

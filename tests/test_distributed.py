@@ -106,6 +106,15 @@ def test_eval_counts_every_sample_once(one_and_two_processes, out, processes):
     assert counted and set(counted) == {359}
 
 
+@pytest.mark.slow
+def test_an_eval_split_smaller_than_the_processes_counts_its_samples_once(out):
+    """1 eval sample on 2 processes trains and evaluates it once: the second process's share is padding, which
+    gather_for_metrics drops (as evaluating without training does)."""
+    assert_ok(run_train(*QUICK, "--max_eval_samples", "1", "--output_dir", str(out), processes=2))
+    assert_processes(out, 2)
+    assert list(series(read_metrics(out), "eval/num_samples").values()) == [1]
+
+
 def test_the_readme_ddp_command_is_the_two_process_run_here(one_and_two_processes):
     """The README's `accelerate launch --config_file accelerate_configs/ddp.yaml train.py` is what the 2-process run
     above launches (with a free port, and the config's 2 processes), so tests/test_readme.py does not run it again."""

@@ -428,9 +428,9 @@ def test_why_a_launch_stopped_is_said_by_the_first_rank_to_stop(tmp_path, monkey
     "build_args, pattern",
     [
         (lambda t: ["--data_files", f"{{train: {t}/none.parquet, eval: {t}/none.parquet}}"], "not found"),
-        (lambda t: data_files(t, digits(), digits("eval").head(1)), "eval split has 1 samples, fewer than the 2"),
+        (lambda t: data_files(t, digits().head(40), digits("eval")), "train split has 40 samples, fewer than one"),
     ],
-    ids=["missing data file", "eval split smaller than the processes"],
+    ids=["missing data file", "train split smaller than a global batch"],
 )
 def test_bad_input_on_two_processes_stops_both(tmp_path, build_args, pattern):
     """Both processes find the problem before any collective and exit 2: none is left waiting for the other. The
