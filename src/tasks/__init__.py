@@ -100,15 +100,15 @@ def starting_model(task: Task, config, accelerator):
 def check_eval_outputs(task: Task, model, eval_loader, metric, accelerator) -> None:
     """One eval batch through `task.eval_outputs` before training: its bug, or outputs evaluation can't use, is said
     now, not at the first evaluation, after steps the last checkpoint may not hold."""
-    loader = eval_loader.base_dataloader  # this process's share, read by index: no RNG drawn, as iter(loader) draws
+    from torch.distributed.fsdp import FSDPModule
+
+    loader = eval_loader.base_dataloader  # this process's share, read by index (iter(loader) would draw a random seed)
     indices = next(iter(loader.batch_sampler), None) if loader.batch_sampler is not None else None
     if indices is None:  # an iterable eval split: its first evaluation says
         return
     batch = send_to_device(
         (loader.collate_fn or default_collate)([loader.dataset[i] for i in indices]), accelerator.device
     )
-    from torch.distributed.fsdp import FSDPModule
-
     model.eval()
     outputs = task.eval_outputs(model, batch)
     model.train()
