@@ -54,8 +54,9 @@ def main(args: list[str] | TrainConfig | None = None) -> dict:
     with tasks.task_errors(tasks.task_class(config.task)):  # the task's code failing, wherever: one line naming it
         if not config.do_train:
             return evaluate_and_predict(config)
-        # a job preempted as it sets up checkpoints at its first step; one run at a time in output_dir
-        with preemption.noted_from_the_start(), run_dir.one_run_at_a_time(config):
+        # a job preempted as it sets up checkpoints at its first step; one run at a time in output_dir; trackers
+        # finished however it ends
+        with preemption.noted_from_the_start(), run_dir.one_run_at_a_time(config), tracking.finished_on_error():
             return features.installed().wrap_train(train)(config)  # e.g. retried with a smaller batch: auto_batch_size
 
 

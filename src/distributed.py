@@ -8,7 +8,7 @@ from accelerate import DataLoaderConfiguration, PartialState
 from accelerate.utils import GradientAccumulationPlugin
 from torch import nn
 
-from src import strategy
+from src import strategy, tracking
 from src.accelerator import Accelerator, keep_freed_host_memory
 from src.config import TrainConfig, resolve_global_batch
 from src.errors import UsageError, let_threads_settle, one_line
@@ -97,5 +97,6 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
 
 
 def end_training(accelerator) -> None:
-    accelerator.end_training()
+    accelerator.end_training()  # finishes the trackers
+    tracking.started.clear()
     let_threads_settle(accelerator.num_processes)  # a moment for gloo's threads: see src/errors.py

@@ -146,8 +146,10 @@ def prepare_output_dir(accelerator, config: TrainConfig, resume_step: int | None
         output_dir.mkdir(parents=True, exist_ok=True)
         claim(output_dir, make=True)  # held from now, before anything in it changes
         if replacing:  # a fresh start: nothing of the previous run's logs may mix into this one
-            logger.info("replacing the previous run in %s (%s)", output_dir, ", ".join(previous))
-            for path in (output_dir / name for name in previous):
+            # but MLflow's store, where this run is a run of its own: a process that used it can't open one made anew
+            replaced = [name for name in previous if name != MLFLOW_STORE]
+            logger.info("replacing the previous run in %s (%s)", output_dir, ", ".join(replaced))
+            for path in (output_dir / name for name in replaced):
                 remove(path)
         elif (metrics := output_dir / METRICS_FILE).exists():  # a resumed run logs the steps after its checkpoint again
             steps = [(line, logged_step(line)) for line in metrics.read_text().splitlines(keepends=True)]

@@ -61,12 +61,33 @@ class JsonlTracker(GeneralTracker):
         self.tracker.close()
 
 
+started: list = []  # the trackers of this process's run until it ends: one that raised leaves them unfinished
+
+
+@contextlib.contextmanager
+def finished_on_error():
+    """Trackers a run started are finished if it raises, as `accelerator.end_training` finishes them when it ends: a
+    notebook's next run would find its MLflow run still active (MLflow refuses a second)."""
+    try:
+        yield
+    except BaseException:
+        finish_started()
+        raise
+
+
+def finish_started() -> None:
+    while started:
+        with contextlib.suppress(Exception):  # one failing to finish keeps no other open
+            started.pop().finish()
+
+
 def build_trackers(config: TrainConfig) -> list:
     return [JsonlTracker(Path(config.output_dir) / METRICS_FILE), *config.report_to]
 
 
 def start_tracking(accelerator, config: TrainConfig, resume_run_id: str | None = None) -> str | None:
     """Start one tracker run (main process); a resumed run continues its wandb run. Returns the wandb run id."""
+    finish_started()  # what a try that raised left (an out-of-memory retry of --auto_find_batch_size)
     wandb_kwargs = dict(name=config.run_name, dir=config.output_dir, tags=config.run_tags, group=config.run_group)
     if "wandb" in config.report_to:
         configure_wandb(config)
@@ -87,6 +108,7 @@ def start_tracking(accelerator, config: TrainConfig, resume_run_id: str | None =
     scalars = {k: v if isinstance(v, int | float | str | bool | None) else str(v) for k, v in config.to_dict().items()}
     try:
         accelerator.init_trackers(config.project_name, config=scalars, init_kwargs=init_kwargs)  # tensorboard: scalars
+        started[:] = accelerator.trackers
     except Exception as err:  # a tracker refusing its settings: wandb's tags, a WANDB_MODE it doesn't know, ...
         trackers = ", ".join(config.report_to) or "jsonl"
         raise UsageError(f"--report_to {trackers}: a tracker could not start ({type(err).__name__}: "

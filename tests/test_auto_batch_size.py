@@ -17,7 +17,8 @@ def test_auto_find_batch_size_needs_a_global_batch():
 
 @pytest.mark.slow
 def test_auto_find_batch_size_keeps_the_global_batch(tmp_path, monkeypatch):
-    """A simulated out-of-memory error above 16 samples per device: halve once, accumulate 4 batches instead."""
+    """A simulated out-of-memory error above 16 samples per device: halve once, accumulate 4 batches instead. The
+    retry starts its own MLflow run: the failed try's is finished first (MLflow refuses a second active run)."""
     from src.tasks.digits import Digits
 
     out = tmp_path / "run"
@@ -29,7 +30,7 @@ def test_auto_find_batch_size_keeps_the_global_batch(tmp_path, monkeypatch):
         return loss(self, model, batch)
 
     monkeypatch.setattr(Digits, "loss", loss_or_oom)
-    result = run_main(*QUICK, "--output_dir", str(out), "--auto_find_batch_size", "true")
+    result = run_main(*QUICK, "--output_dir", str(out), "--auto_find_batch_size", "true", "--report_to", "mlflow")
     assert_ok(result)
     setup = read_metrics(out)[0]
     assert (setup["setup/per_device_batch"], setup["setup/gradient_accumulation"], setup["setup/global_batch"]) == (

@@ -10,12 +10,13 @@ import pytest
 
 from src.cli import parse_config
 from src.config import TrainConfig
-from src.errors import UsageError
+from src.errors import EXIT_TASK_FAILED, UsageError
 from tests.conftest import (
     QUICK,
     REPO,
     assert_ok,
     assert_processes,
+    last_row,
     launch_command,
     read_metrics,
     run_command,
@@ -267,3 +268,35 @@ def test_other_processes_silence_torchs_own_loggers_too():
         torch_logger.setLevel(saved[0])
         root.setLevel(saved[1])
         root.handlers[:] = saved[2]
+
+
+@pytest.mark.slow
+def test_a_run_that_raised_leaves_no_tracker_run_active(tmp_path, monkeypatch):
+    """A notebook's next run after one that raised, here into its folder (--overwrite_output_dir), or an out-of-memory
+    retry (--auto_find_batch_size): the failed run's MLflow run was still active, and MLflow refused to start another
+    ("Run with UUID ... is already active"); its store, replaced, was one this process could no longer write."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    from src.tasks.digits import Digits
+
+    loss, calls = Digits.loss, []
+
+    def failing_at_the_third_batch(self, model, batch):
+        calls.append(len(batch[0]))
+        if len(calls) == 3:
+            raise ValueError("a bug")
+        return loss(self, model, batch)
+
+    monkeypatch.setattr(Digits, "loss", failing_at_the_third_batch)
+    failed = run_main(*QUICK, "--report_to", "mlflow", "--output_dir", str(tmp_path / "failed"))
+    assert failed.returncode == EXIT_TASK_FAILED and mlflow.active_run() is None
+    monkeypatch.setattr(Digits, "loss", loss)
+    again = ["--overwrite_output_dir", "true"]
+    assert_ok(run_main(*QUICK, "--report_to", "mlflow", "--output_dir", str(tmp_path / "failed"), *again))
+    assert mlflow.active_run() is None
+    client = MlflowClient(f"sqlite:///{tmp_path / 'failed' / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name(TrainConfig.project_name).experiment_id
+    runs = client.search_runs([experiment], order_by=["start_time"])
+    assert [run.info.status for run in runs] == ["FINISHED", "FINISHED"]  # the replaced one's beside this one's
+    assert runs[1].data.metrics["train/loss"] == last_row(read_metrics(tmp_path / "failed"), "train/loss")["train/loss"]
