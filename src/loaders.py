@@ -26,7 +26,7 @@ def build_loaders(task, config: TrainConfig, accelerator, training: bool, pin_me
         train_set, eval_set = task.build_datasets()
         collate_fn = task.collate_fn()  # after the datasets: e.g. a padding collator needs the tokenizer they loaded
         train_loader, eval_loader = build_dataloaders(train_set, eval_set, config, collate_fn, pin_memory)
-        check_split_size(train_loader, global_batch(config, accelerator))
+        check_split_sizes(train_loader, eval_loader if config.do_eval else None, global_batch(config, accelerator))
         check_first_batch(train_loader, task)
         return train_loader, eval_loader
     if not (training or config.do_eval):
@@ -110,10 +110,12 @@ def check_first_batch(loader: DataLoader, task) -> None:
         ) from err
 
 
-def check_split_size(train_loader: DataLoader, global_batch: int) -> None:
-    """Before `prepare`: a train split without one global batch is an error. (An eval split may hold fewer samples than
-    processes: their shares are padding, which `gather_for_metrics` drops.)"""
+def check_split_sizes(train_loader: DataLoader, eval_loader: DataLoader | None, global_batch: int) -> None:
+    """Before `prepare`: a train split without one global batch, or an evaluated split without samples, is an error
+    (fewer eval samples than processes are not: their shares are padding, which `gather_for_metrics` drops)."""
     train_size = len(train_loader.dataset)
+    if eval_loader is not None and len(eval_loader.dataset) == 0:
+        raise UsageError("the eval split has no samples; give it some, or train without evaluating: --do_eval false")
     if train_size < global_batch:
         more = "raise --max_train_samples" if isinstance(train_loader.dataset, Subset) else "use more data"
         raise UsageError(

@@ -15,7 +15,8 @@ from src.errors import UsageError, is_main_process
 
 logger = logging.getLogger(__name__)
 
-# What a run writes into output_dir, each name spelled once here; a fresh run that replaces one removes these.
+# What a run writes into output_dir, each name spelled once here; a fresh run that replaces one removes these (but
+# an MLflow store this process logs to: mlflow_store_in_use).
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS_DIR = "checkpoints"
@@ -146,8 +147,7 @@ def prepare_output_dir(accelerator, config: TrainConfig, resume_step: int | None
         output_dir.mkdir(parents=True, exist_ok=True)
         claim(output_dir, make=True)  # held from now, before anything in it changes
         if replacing:  # a fresh start: nothing of the previous run's logs may mix into this one
-            # but MLflow's store, where this run is a run of its own: a process that used it can't open one made anew
-            replaced = [name for name in previous if name != MLFLOW_STORE]
+            replaced = [name for name in previous if not (name == MLFLOW_STORE and mlflow_store_in_use(output_dir))]
             logger.info("replacing the previous run in %s (%s)", output_dir, ", ".join(replaced))
             for path in (output_dir / name for name in replaced):
                 remove(path)
@@ -170,6 +170,21 @@ def prepare_output_dir(accelerator, config: TrainConfig, resume_step: int | None
         save_config(config, output_dir / CONFIG_FILE)
     accelerator.wait_for_everyone()
     return output_dir
+
+
+def mlflow_store_uri(output_dir: Path) -> str:
+    """--report_to mlflow without MLFLOW_TRACKING_URI: the run's local store, output_dir/mlflow.db (src/tracking.py)."""
+    return f"sqlite:///{output_dir.resolve() / MLFLOW_STORE}"
+
+
+mlflow_stores_opened: set[str] = set()  # the local stores this process's MLflow has logged to (src/tracking.py)
+
+
+def mlflow_store_in_use(output_dir: Path) -> bool:
+    """Whether this process's MLflow has logged to output_dir's store (a notebook's earlier run, a retry): it keeps a
+    connection by URI for good and can't write to a store made anew, so a run replacing the previous one keeps it
+    (a run of its own there)."""
+    return mlflow_store_uri(output_dir) in mlflow_stores_opened
 
 
 def logged_step(line: str) -> int | None:

@@ -16,8 +16,8 @@ from accelerate.tracking import GeneralTracker
 from tqdm.auto import tqdm
 
 from src.config import TrainConfig
-from src.errors import UsageError, one_line
-from src.run_dir import DVCLIVE_DIR, METRICS_FILE, MLFLOW_STORE
+from src.errors import TrainingPreempted, UsageError, one_line
+from src.run_dir import DVCLIVE_DIR, METRICS_FILE, mlflow_store_uri, mlflow_stores_opened
 from src.strategy import fsdp_units, strategy_of
 
 logger = logging.getLogger(__name__)
@@ -66,28 +66,39 @@ started: list = []  # the trackers of this process's run until it ends: one that
 
 @contextlib.contextmanager
 def finished_on_error():
-    """Trackers a run started are finished if it raises, as `accelerator.end_training` finishes them when it ends: a
-    notebook's next run would find its MLflow run still active (MLflow refuses a second)."""
+    """Trackers a run started are finished if it raises, as `accelerator.end_training` finishes them when it ends
+    (a notebook's next run would find its MLflow run still active: MLflow refuses a second), marked as stopped."""
     try:
         yield
-    except BaseException:
-        finish_started()
+    except BaseException as error:
+        finish_started(error)
         raise
 
 
-def finish_started() -> None:
+def finish_started(error: BaseException | None = None) -> None:
+    """Finish the trackers `started` holds; after `error`, MLflow's run as KILLED (preempted, Ctrl-C) or FAILED and
+    wandb's with exit code 1."""
+    stopped = isinstance(error, (TrainingPreempted, KeyboardInterrupt))
     while started:
+        tracker = started.pop()
         with contextlib.suppress(Exception):  # one failing to finish keeps no other open
-            started.pop().finish()
+            if error is not None and tracker.name == "mlflow":
+                import mlflow
+
+                mlflow.end_run(status="KILLED" if stopped else "FAILED")
+            elif error is not None and tracker.name == "wandb":
+                tracker.run.finish(exit_code=1)
+            else:
+                tracker.finish()
 
 
 def build_trackers(config: TrainConfig) -> list:
+    finish_started()  # what a try before this one left (--auto_find_batch_size's), before its folder is replaced
     return [JsonlTracker(Path(config.output_dir) / METRICS_FILE), *config.report_to]
 
 
 def start_tracking(accelerator, config: TrainConfig, resume_run_id: str | None = None) -> str | None:
     """Start one tracker run (main process); a resumed run continues its wandb run. Returns the wandb run id."""
-    finish_started()  # what a try that raised left (an out-of-memory retry of --auto_find_batch_size)
     wandb_kwargs = dict(name=config.run_name, dir=config.output_dir, tags=config.run_tags, group=config.run_group)
     if "wandb" in config.report_to:
         configure_wandb(config)
@@ -96,7 +107,8 @@ def start_tracking(accelerator, config: TrainConfig, resume_run_id: str | None =
     if "mlflow" in config.report_to and accelerator.is_main_process and not os.environ.get("MLFLOW_TRACKING_URI"):
         import mlflow  # a local store in output_dir (SQLite: MLflow 3 refuses a new ./mlruns file store)
 
-        uri = f"sqlite:///{Path(config.output_dir).resolve() / MLFLOW_STORE}"
+        uri = mlflow_store_uri(Path(config.output_dir))
+        mlflow_stores_opened.add(uri)
         mlflow.set_tracking_uri(uri)
         logger.info("mlflow: logging to %s; browse with `mlflow ui --backend-store-uri %s`", uri, uri)
     mlflow_tags = {tag: "true" for tag in config.run_tags} | ({"group": config.run_group} if config.run_group else {})
@@ -108,12 +120,13 @@ def start_tracking(accelerator, config: TrainConfig, resume_run_id: str | None =
     scalars = {k: v if isinstance(v, int | float | str | bool | None) else str(v) for k, v in config.to_dict().items()}
     try:
         accelerator.init_trackers(config.project_name, config=scalars, init_kwargs=init_kwargs)  # tensorboard: scalars
-        started[:] = accelerator.trackers
     except Exception as err:  # a tracker refusing its settings: wandb's tags, a WANDB_MODE it doesn't know, ...
         trackers = ", ".join(config.report_to) or "jsonl"
         raise UsageError(f"--report_to {trackers}: a tracker could not start ({type(err).__name__}: "
                          f"{one_line(err)[:300]}); check its settings (--run_name, --run_tags, --run_group, "
                          "--project_name) and its environment variables") from err  # fmt: skip
+    finally:
+        started[:] = accelerator.trackers  # those started before one that failed, too
     if "wandb" in config.report_to and accelerator.is_main_process:
         return accelerator.get_tracker("wandb", unwrap=True).id
     return resume_run_id

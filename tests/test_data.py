@@ -233,12 +233,12 @@ def test_train_data_smaller_than_one_window_is_a_usage_error():
 def test_a_train_split_that_leaves_much_out_of_each_epoch_is_warned_about(caplog):
     from torch.utils.data import DataLoader, TensorDataset
 
-    from src.loaders import check_split_size
+    from src.loaders import check_split_sizes
 
     def loader(rows: int):
         return DataLoader(TensorDataset(torch.zeros(rows, 1)))
 
-    check_split_size(loader(138), global_batch=64)  # 10 of 138 left out: no word
+    check_split_sizes(loader(138), loader(1), global_batch=64)  # 10 of 138 left out: no word
     assert "left out" not in caplog.text
-    check_split_size(loader(120), global_batch=64)
+    check_split_sizes(loader(120), None, global_batch=64)
     assert "the train split's 120 samples fill 1 global batches of 64 an epoch: 56 (47%) are left out" in caplog.text

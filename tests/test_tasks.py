@@ -487,6 +487,51 @@ def test_eval_outputs_evaluation_cannot_use_are_said_before_training(tmp_path, m
     assert not (tmp_path / "run").exists() and "step 1 " not in failed.stderr
 
 
+@pytest.mark.parametrize(
+    ("eval_set", "line"),
+    [(lambda eval_set: torch.utils.data.Subset(eval_set, []),
+      r"error: the eval split has no samples; give it some, or train without evaluating: --do_eval false"),
+     (lambda eval_set: Unreadable(eval_set, 0),
+      r"error: reading a batch failed: OSError: sample 0: truncated file \(--debug true shows the traceback\)")],
+    ids=["empty", "unreadable"],
+)  # fmt: skip
+def test_an_eval_split_that_cannot_be_evaluated_is_one_line_before_training(tmp_path, monkeypatch, eval_set, line):
+    """A task's empty eval split (it evaluated to NaN), or one whose first sample does not read: one line before the
+    first step, nothing written (the check before training reads a batch as evaluation does)."""
+    from src.tasks.digits import Digits
+
+    build_datasets = Digits.build_datasets
+    monkeypatch.setattr(Digits, "build_datasets", lambda self: (lambda t, e: (t, eval_set(e)))(*build_datasets(self)))
+    failed = run_main(*QUICK, "--output_dir", str(tmp_path / "run"))
+    assert re.fullmatch(line, failed.stderr.strip().splitlines()[-1]), failed.stderr[-2000:]
+    assert failed.returncode in (2, EXIT_TASK_FAILED) and not (tmp_path / "run").exists()
+
+
+def test_the_check_before_training_leaves_the_random_generators_as_they_were(tmp_path, monkeypatch):
+    """The training after the eval check draws what it would draw without it, even from a task whose eval_outputs
+    draws random numbers (and the loader's iterator draws its seed)."""
+    from src.tasks.digits import Digits
+
+    eval_outputs, loss, first_draws = Digits.eval_outputs, Digits.loss, []
+
+    def loss_recording_its_first_draw(self, model, batch):
+        if len(first_draws) < len(runs):
+            first_draws.append(torch.rand(1).item())
+        return loss(self, model, batch)
+
+    def drawing(self, model, batch):
+        torch.rand(100)
+        return eval_outputs(self, model, batch)
+
+    monkeypatch.setattr(Digits, "loss", loss_recording_its_first_draw)
+    runs = []
+    for draws in (False, True):
+        runs.append(draws)
+        monkeypatch.setattr(Digits, "eval_outputs", drawing if draws else eval_outputs)
+        assert_ok(run_main(*QUICK, "--max_steps", "1", "--output_dir", str(tmp_path / str(draws))))
+    assert len(first_draws) == 2 and first_draws[0] == first_draws[1]
+
+
 def test_a_task_method_failing_anywhere_in_the_run_is_one_line(tmp_path, monkeypatch):
     """Where train.py (or a forker's edit to it) calls the task decides nothing: tokens_per_sample(), read as the
     meters are made before the loop, fails in one line naming it, as a loss() in the loop does."""

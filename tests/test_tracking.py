@@ -222,7 +222,7 @@ def test_a_tracker_that_refuses_its_settings_is_one_line(tmp_path, monkeypatch):
     def init_trackers(*args, **kwargs):
         raise ValueError("1 validation error for Settings\nrun_tags\n  Value error, Tag 'xxx' exceeds 64 characters")
 
-    accelerator = SimpleNamespace(init_trackers=init_trackers, is_main_process=True)
+    accelerator = SimpleNamespace(init_trackers=init_trackers, is_main_process=True, trackers=[])
     monkeypatch.setenv("WANDB_MODE", "offline")
     config = TrainConfig(report_to="wandb", output_dir=str(tmp_path))
     with pytest.raises(
@@ -272,9 +272,10 @@ def test_other_processes_silence_torchs_own_loggers_too():
 
 @pytest.mark.slow
 def test_a_run_that_raised_leaves_no_tracker_run_active(tmp_path, monkeypatch):
-    """A notebook's next run after one that raised, here into its folder (--overwrite_output_dir), or an out-of-memory
-    retry (--auto_find_batch_size): the failed run's MLflow run was still active, and MLflow refused to start another
-    ("Run with UUID ... is already active"); its store, replaced, was one this process could no longer write."""
+    """A notebook's next run after one that raised (or whose wandb refused to start), here into its folder
+    (--overwrite_output_dir), or an out-of-memory retry (--auto_find_batch_size): the failed run's MLflow run was still
+    active, and MLflow refused to start another ("Run with UUID ... is already active"); its store, replaced, was one
+    this process could no longer write. The failed run's is marked FAILED."""
     import mlflow
     from mlflow import MlflowClient
 
@@ -288,6 +289,9 @@ def test_a_run_that_raised_leaves_no_tracker_run_active(tmp_path, monkeypatch):
             raise ValueError("a bug")
         return loss(self, model, batch)
 
+    both = ["--report_to", "mlflow,wandb", "--output_dir", str(tmp_path / "refused")]  # MLflow's starts, wandb refuses
+    refused = run_main(*QUICK, *both, env={"WANDB_MODE": "bogus"})
+    assert refused.returncode == 2 and mlflow.active_run() is None
     monkeypatch.setattr(Digits, "loss", failing_at_the_third_batch)
     failed = run_main(*QUICK, "--report_to", "mlflow", "--output_dir", str(tmp_path / "failed"))
     assert failed.returncode == EXIT_TASK_FAILED and mlflow.active_run() is None
@@ -298,5 +302,5 @@ def test_a_run_that_raised_leaves_no_tracker_run_active(tmp_path, monkeypatch):
     client = MlflowClient(f"sqlite:///{tmp_path / 'failed' / 'mlflow.db'}")
     experiment = client.get_experiment_by_name(TrainConfig.project_name).experiment_id
     runs = client.search_runs([experiment], order_by=["start_time"])
-    assert [run.info.status for run in runs] == ["FINISHED", "FINISHED"]  # the replaced one's beside this one's
+    assert [run.info.status for run in runs] == ["FAILED", "FINISHED"]  # the replaced one's beside this one's
     assert runs[1].data.metrics["train/loss"] == last_row(read_metrics(tmp_path / "failed"), "train/loss")["train/loss"]

@@ -53,8 +53,7 @@ def test_existing_run_is_not_clobbered(out):
     (out / "dvclive").mkdir()
     assert_ok(run_main(*QUICK, "--output_dir", str(out), "--overwrite_output_dir", "true"))
     assert len(series(read_metrics(out), "train/loss")) == 3  # replaced, not appended
-    assert not (out / "dvclive").exists()  # nothing of it mixes into this run
-    assert (out / "mlflow.db").read_bytes() == b"the previous run's"  # MLflow's store: the new run a run of its own
+    assert not (out / "mlflow.db").exists() and not (out / "dvclive").exists()  # nothing of it mixes into this run
 
 
 @pytest.mark.slow

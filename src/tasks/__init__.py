@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 from accelerate.utils import send_to_device
 from jsonargparse import ArgumentParser
-from torch.utils.data import default_collate
 
 from src.errors import TaskFailed, UsageError, describe, one_line
 from src.features import feature_tasks, installed
@@ -99,21 +98,25 @@ def starting_model(task: Task, config, accelerator):
 @torch.no_grad()
 def check_eval_outputs(task: Task, model, eval_loader, metric, accelerator) -> None:
     """One eval batch through `task.eval_outputs` before training: its bug, or outputs evaluation can't use, is said
-    now, not at the first evaluation, after steps the last checkpoint may not hold."""
+    now, not at the first evaluation, after steps the last checkpoint may not hold. The random generators it draws
+    from (a loader's seed, a task's own draws) are put back: the training that follows is as without it."""
     from torch.distributed.fsdp import FSDPModule
 
-    loader = eval_loader.base_dataloader  # this process's share, read by index (iter(loader) would draw a random seed)
-    indices = next(iter(loader.batch_sampler), None) if loader.batch_sampler is not None else None
-    if indices is None:  # an iterable eval split: its first evaluation says
-        return
-    batch = send_to_device(
-        (loader.collate_fn or default_collate)([loader.dataset[i] for i in indices]), accelerator.device
-    )
-    model.eval()
-    outputs = task.eval_outputs(model, batch)
-    model.train()
-    if isinstance(model, FSDPModule):  # FSDP2 leaves the root unsharded after a forward, for the backward to come
-        model.reshard()
+    device = accelerator.device
+    on_device = [] if device.type == "cpu" else [device.index or 0]
+    with torch.random.fork_rng(on_device, device_type="cuda" if device.type == "cpu" else device.type):
+        batches = iter(eval_loader.base_dataloader)  # this process's share, read as evaluation reads it
+        batch = next(batches, None)
+        del batches  # a loader's workers end with their iterator
+        if batch is None:  # an iterable split with nothing for this process: evaluation says so
+            return
+        model.eval()
+        try:
+            outputs = task.eval_outputs(model, send_to_device(batch, device))
+        finally:
+            model.train()
+            if isinstance(model, FSDPModule):  # FSDP2 leaves the root unsharded after a forward, for a backward
+                model.reshard()
     needed = ["loss", "weight", *(["predictions", "references"] if metric is not None else [])]
     name = f"{type(task).__name__}.eval_outputs()"
     if not isinstance(outputs, dict) or any(key not in outputs for key in needed):
