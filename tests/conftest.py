@@ -322,9 +322,11 @@ def read_if_there(path: Path) -> str:
     return path.read_text() if path.is_file() else ""
 
 
+@functools.cache
 def manifest() -> dict:
-    """features.yaml: each optional feature of this project by name ({}: every feature removed)."""
-    return yaml.safe_load((REPO / "features.yaml").read_text()) or {}
+    """features.yaml: each optional feature of this project by name ({}: every feature removed). Read once (every test
+    module's `needs` reads it at collection: ~0.7 CPU-s a pytest run, in each removal check's copy too); don't edit it."""
+    return yaml.load((REPO / "features.yaml").read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}
 
 
 def fork_server_imports() -> list[str]:
