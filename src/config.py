@@ -3,6 +3,7 @@
 import contextlib
 import dataclasses
 import difflib
+import functools
 import inspect
 import re
 import textwrap
@@ -199,6 +200,7 @@ def resolve_global_batch(config: TrainConfig, num_processes: int) -> int:
     return steps
 
 
+@functools.cache  # inspect.getsource parses the class's whole file: ~10 ms a class, at every parse of a command line
 def field_help(cls) -> dict[str, str]:
     """name -> the comment ending the field's line in the source (its --help text), base dataclasses' too."""
     comments = {}

@@ -324,9 +324,10 @@ def read_if_there(path: Path) -> str:
 
 @functools.cache
 def manifest() -> dict:
-    """features.yaml: each optional feature of this project by name ({}: every feature removed). Read once (every test
-    module's `needs` reads it at collection: ~0.7 CPU-s a pytest run, in each removal check's copy too); don't edit it."""
-    return yaml.load((REPO / "features.yaml").read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}
+    """features.yaml: each optional feature of this project by name ({}: every feature removed). Read once per pytest
+    run (each test module's `needs` asks it at collection, in every removal check's copy too); don't edit it."""
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's, where PyYAML was built with it
+    return yaml.load((REPO / "features.yaml").read_text(), Loader=loader) or {}
 
 
 def fork_server_imports() -> list[str]:

@@ -4,6 +4,7 @@ options, and each can be deleted leaving the rest working (checked here for each
 import ast
 import contextlib
 import dataclasses
+import functools
 import re
 import socket
 import subprocess
@@ -97,12 +98,15 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def top_level_imports(path: Path) -> set[str]:
+@functools.cache  # each file's, once for every feature's test below
+def top_level_imports(path: Path) -> frozenset[str]:
     """The modules a file imports when it is imported: its module-level statements (a function's own imports run
     only when called, as a feature's optional use of another does)."""
     body = ast.parse(path.read_text()).body  # and what an `if` or `try` at the top holds
-    return imported_names(
-        inner for node in body for inner in (ast.walk(node) if isinstance(node, ast.If | ast.Try) else [node])
+    return frozenset(
+        imported_names(
+            inner for node in body for inner in (ast.walk(node) if isinstance(node, ast.If | ast.Try) else [node])
+        )
     )
 
 
