@@ -488,14 +488,16 @@ def test_eval_outputs_evaluation_cannot_use_are_said_before_training(tmp_path, m
 
 
 @pytest.mark.parametrize(
-    ("eval_set", "line"),
+    ("eval_set", "line", "code"),
     [(lambda eval_set: torch.utils.data.Subset(eval_set, []),
-      r"error: the eval split has no samples; give it some, or train without evaluating: --do_eval false"),
+      r"error: the eval split has no samples; give it some, or train without evaluating: --do_eval false", 2),
      (lambda eval_set: Unreadable(eval_set, 0),
-      r"error: reading a batch failed: OSError: sample 0: truncated file \(--debug true shows the traceback\)")],
+      r"error: reading a batch failed: OSError: sample 0: truncated file \(--debug true shows the traceback\)",
+      EXIT_TASK_FAILED)],
     ids=["empty", "unreadable"],
 )  # fmt: skip
-def test_an_eval_split_that_cannot_be_evaluated_is_one_line_before_training(tmp_path, monkeypatch, eval_set, line):
+def test_an_eval_split_that_cannot_be_evaluated_is_one_line_before_training(tmp_path, monkeypatch, eval_set, line,
+                                                                             code):  # fmt: skip
     """A task's empty eval split (it evaluated to NaN), or one whose first sample does not read: one line before the
     first step, nothing written (the check before training reads a batch as evaluation does)."""
     from src.tasks.digits import Digits
@@ -504,7 +506,7 @@ def test_an_eval_split_that_cannot_be_evaluated_is_one_line_before_training(tmp_
     monkeypatch.setattr(Digits, "build_datasets", lambda self: (lambda t, e: (t, eval_set(e)))(*build_datasets(self)))
     failed = run_main(*QUICK, "--output_dir", str(tmp_path / "run"))
     assert re.fullmatch(line, failed.stderr.strip().splitlines()[-1]), failed.stderr[-2000:]
-    assert failed.returncode in (2, EXIT_TASK_FAILED) and not (tmp_path / "run").exists()
+    assert failed.returncode == code and not (tmp_path / "run").exists()
 
 
 def test_the_check_before_training_leaves_the_random_generators_as_they_were(tmp_path, monkeypatch):
