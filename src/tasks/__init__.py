@@ -104,7 +104,7 @@ def check_eval_outputs(task: Task, model, eval_loader, metric, accelerator) -> N
 
     device = accelerator.device
     on_device = [] if device.type == "cpu" else [device.index or 0]
-    with torch.random.fork_rng(on_device, device_type="cuda" if device.type == "cpu" else device.type):
+    with torch.random.fork_rng(on_device, device_type=device.type):
         batches = iter(eval_loader.base_dataloader)  # this process's share, read as evaluation reads it
         batch = next(batches, None)
         del batches  # a loader's workers end with their iterator
