@@ -57,12 +57,10 @@ def resume(accelerator, config: TrainConfig, fresh: TrainerState) -> tuple[Train
             return fresh, False
         path = complete[-1]
     elif not path.exists():
-        there = (
-            [p.name for p in complete_checkpoints(path.parent.parent)] if path.parent.name == CHECKPOINTS_DIR else []
-        )
+        there = complete_checkpoints(path.parent.parent) if path.parent.name == CHECKPOINTS_DIR else []
         raise UsageError(
             f"--resume_from_checkpoint {path} does not exist"
-            + (f" ({path.parent} has {', '.join(there)})" if there else "")
+            + (f" ({path.parent} has {', '.join(p.name for p in there)})" if there else "")
             + "; name a checkpoints/step_<N> folder, or 'latest'"
         )
     elif not (path / STATE_FILE).is_file():
