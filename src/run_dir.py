@@ -48,8 +48,7 @@ def one_run_at_a_time(config: TrainConfig):
         for folder in set(_held) - held_before:
             descriptor = _held.pop(folder)
             with contextlib.suppress(OSError):  # never in place of the run's own exit (a preemption's 75)
-                fcntl.lockf(descriptor, fcntl.LOCK_UN)
-                os.close(descriptor)
+                os.close(descriptor)  # which frees its lock: a POSIX lock is freed at any close of its file
 
 
 def claim(output_dir: Path, make: bool = False) -> None:
