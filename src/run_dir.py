@@ -16,7 +16,7 @@ from src.errors import UsageError, is_main_process
 logger = logging.getLogger(__name__)
 
 # What a run writes into output_dir, each name spelled once here; a fresh run that replaces one removes these (but
-# an MLflow store this process logs to: mlflow_store_in_use).
+# an MLflow store this process logs to: prepare_output_dir).
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS_DIR = "checkpoints"
@@ -146,7 +146,10 @@ def prepare_output_dir(accelerator, config: TrainConfig, resume_step: int | None
         output_dir.mkdir(parents=True, exist_ok=True)
         claim(output_dir, make=True)  # held from now, before anything in it changes
         if replacing:  # a fresh start: nothing of the previous run's logs may mix into this one
-            replaced = [name for name in previous if not (name == MLFLOW_STORE and mlflow_store_in_use(output_dir))]
+            # but a store this process's MLflow logged to (a notebook's earlier run, a retry): it keeps a connection
+            # by URI for good and can't write to a store made anew, so that store stays (a run of its own there)
+            in_use = mlflow_store_uri(output_dir) in mlflow_stores_opened
+            replaced = [name for name in previous if not (name == MLFLOW_STORE and in_use)]
             logger.info("replacing the previous run in %s (%s)", output_dir, ", ".join(replaced))
             for path in (output_dir / name for name in replaced):
                 remove(path)
@@ -177,13 +180,6 @@ def mlflow_store_uri(output_dir: Path) -> str:
 
 
 mlflow_stores_opened: set[str] = set()  # the local stores this process's MLflow has logged to (src/tracking.py)
-
-
-def mlflow_store_in_use(output_dir: Path) -> bool:
-    """Whether this process's MLflow has logged to output_dir's store (a notebook's earlier run, a retry): it keeps a
-    connection by URI for good and can't write to a store made anew, so a run replacing the previous one keeps it
-    (a run of its own there)."""
-    return mlflow_store_uri(output_dir) in mlflow_stores_opened
 
 
 def logged_step(line: str) -> int | None:
