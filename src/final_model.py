@@ -5,6 +5,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import yaml
+from accelerate.utils import load_checkpoint_in_model
 from accelerate.utils.memory import should_reduce_batch_size
 from safetensors import SafetensorError
 
@@ -46,8 +47,6 @@ def export_model(accelerator, task, model, directory: Path) -> None:
 
 def load_weights(model, path: str):
     """A saved model's or checkpoint's weights into `model`, returned; strict: every parameter there, with its shape."""
-    from accelerate.utils import load_checkpoint_in_model
-
     folder = saved_model_dir(path)
     try:
         load_checkpoint_in_model(model, str(folder), strict=True)
