@@ -64,8 +64,10 @@ class BestEvaluation:
             logged = {**scores, **task.derived_metrics(scores), "eval/num_samples": 1}  # derived from made-up scores
         except Exception:  # the task's own code on made-up scores: its keys are left for the first evaluation to find
             return
-        for flag, name in watched_flags(config):
-            watched(logged, name, flag)
+        if config.metric_for_best_model:
+            watched(logged, config.metric_for_best_model, "--metric_for_best_model")
+        if config.early_stopping_patience:
+            watched(logged, config.early_stopping_metric, "--early_stopping_metric")
 
     def update(self, metrics: dict, step: int) -> tuple[bool, bool]:
         """(a new best model: checkpoint it, stop training here)."""
@@ -112,14 +114,6 @@ def closest_key(metric: str, keys) -> str | None:
     names = {key.removeprefix("eval/"): key for key in keys}
     close = difflib.get_close_matches(metric.removeprefix("eval/"), names, n=1)
     return names[close[0]] if close else None
-
-
-def watched_flags(config: TrainConfig) -> list[tuple[str, str]]:
-    """(flag, eval key) of each metric a training run watches."""
-    watching = [("--metric_for_best_model", config.metric_for_best_model)] if config.metric_for_best_model else []
-    if config.early_stopping_patience:
-        watching.append(("--early_stopping_metric", config.early_stopping_metric))
-    return watching
 
 
 def watched(metrics: dict, metric: str, flag: str) -> float:
