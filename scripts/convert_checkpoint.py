@@ -61,8 +61,8 @@ def convert(source: Path, target: Path, to: str) -> None:
         load_zero_checkpoint(source, model, optimizer)
     elif sharded:  # DCP's files -> this process's whole model and optimizer
         model_state, optimizer_state = get_state_dict(model, optimizer)  # (an empty optimizer state is initialised)
-        dcp.load({"model": model_state}, checkpoint_id=source / SHARDED[0], no_dist=True)
-        dcp.load({"optimizer": optimizer_state}, checkpoint_id=source / SHARDED[1], no_dist=True)
+        dcp.load({"model": model_state}, checkpoint_id=source / SHARDED[0])
+        dcp.load({"optimizer": optimizer_state}, checkpoint_id=source / SHARDED[1])
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
     else:
         safetensors.torch.load_model(model, source / WHOLE[0])  # tied weights (a GPT's head) saved once: as Accelerate
@@ -77,8 +77,8 @@ def convert(source: Path, target: Path, to: str) -> None:
             torch.save(optimizer.state_dict(), partial / WHOLE[1])
         else:
             model_state, optimizer_state = get_state_dict(model, optimizer)  # keyed by parameter name, as FSDP2 saves
-            dcp.save({"model": model_state}, checkpoint_id=partial / SHARDED[0], no_dist=True)
-            dcp.save({"optimizer": optimizer_state}, checkpoint_id=partial / SHARDED[1], no_dist=True)
+            dcp.save({"model": model_state}, checkpoint_id=partial / SHARDED[0])
+            dcp.save({"optimizer": optimizer_state}, checkpoint_id=partial / SHARDED[1])
         (partial / STATE_FILE).write_text(json.dumps({**state, "strategy": to}, indent=2) + "\n")
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)  # nothing half-written left behind

@@ -16,7 +16,7 @@ from src.preemption import signals_as_default, watch_launcher
 
 
 def has_accelerator() -> bool:
-    return torch.accelerator.is_available() if hasattr(torch, "accelerator") else torch.cuda.is_available()
+    return torch.accelerator.is_available()
 
 
 def build_accelerator(config: TrainConfig, log_with: list | None = None):

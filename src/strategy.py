@@ -2,14 +2,18 @@
 
 import os
 
+import torch
 from accelerate import ParallelismConfig, PartialState
-from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs, is_torch_version
 from torch import nn
 
 from src import features
 from src.errors import LaunchError
 
 FSDP, DEEPSPEED = "FSDP", "DEEPSPEED"
+# FSDP2 (and HSDP) over gloo: torch 2.6 fails at its first step, 2.7 and 2.8 train unlike one process, 2.9 on as one
+# process does (tests/test_sharded.py, 2026-12-06); Accelerate's FSDP2 on GPUs is not limited by it
+CPU_FSDP2_TORCH = "2.9"
 
 
 def requested_strategy() -> str | None:
@@ -35,6 +39,11 @@ def check_launch(use_cpu: bool, config=None) -> None:
         raise LaunchError(
             "the accelerate config asks for FSDP version 1, which needs GPUs, and this machine has "
             "none; use accelerate_configs/fsdp.yaml (FSDP2: fsdp_version: 2)"
+        )
+    if is_torch_version("<", CPU_FSDP2_TORCH):
+        raise LaunchError(
+            f"FSDP2 on CPU processes needs torch >= {CPU_FSDP2_TORCH} (this is {torch.__version__}); use "
+            "accelerate_configs/ddp.yaml on this machine, or a newer torch"
         )
 
 

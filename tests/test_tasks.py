@@ -296,6 +296,17 @@ def test_what_the_cpu_can_run_passes_the_launch_check(monkeypatch):
     check_launch(use_cpu=False, config=TrainConfig(mixed_precision="fp16"))  # fp16 is refused on the CPU only
 
 
+def test_fsdp_on_cpu_processes_with_a_torch_too_old_for_it_is_one_line(monkeypatch):
+    from src import strategy
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.setattr(strategy, "CPU_FSDP2_TORCH", "99.0")  # a torch older than FSDP2 on gloo needs
+    with pytest.raises(LaunchError, match=r"FSDP2 on CPU processes needs torch >= 99.0 \(this is .*ddp.yaml"):
+        strategy.check_launch(use_cpu=True, config=TrainConfig())
+    strategy.check_launch(use_cpu=False, config=TrainConfig())  # on GPUs: Accelerate's own FSDP2, for any torch
+
+
 def test_a_run_that_failed_before_its_first_step_blocks_nothing(tmp_path):
     out = tmp_path / "run"
     (out).mkdir()

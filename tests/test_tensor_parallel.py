@@ -275,25 +275,30 @@ def test_the_memory_planner_s_bytes_are_what_the_llama_runs_hold(llama_runs, fre
 
 
 @pytest.mark.parametrize(
-    ("flags", "world_size", "refused"),
+    ("flags", "world_size", "oldest_torch", "refused"),
     [
-        (["--task", "digits"], "4", "plans for --task causal_lm's GPT and --task language_modeling's .* not digits"),
-        (["--config", "configs/lm.yaml"], "2", "asks for 4 processes .* but 2 were launched"),
+        (["--task", "digits"], "4", None, "plans for --task causal_lm's GPT and --task language_modeling's .* digits"),
+        (["--config", "configs/lm.yaml"], "2", None, "asks for 4 processes .* but 2 were launched"),
+        (["--config", "configs/lm.yaml"], "4", "99.0", r"on CPU processes needs torch >= 99.0 \(this is .*fsdp.yaml"),
     ],
 )
-def test_what_it_cannot_do_is_one_line_before_any_group_forms(flags, world_size, refused, monkeypatch):
-    """The launch's checks (every process, before the group forms), as `accelerate launch` of fsdp_tp.yaml sets it."""
+def test_what_it_cannot_do_is_one_line_before_any_group_forms(flags, world_size, oldest_torch, refused, monkeypatch):
+    """The launch's checks (every process, before the group forms), as `accelerate launch` of fsdp_tp.yaml sets it;
+    `oldest_torch`: the torch tensor parallel needs on CPU processes, made newer than this one."""
     from src.cli import parse_config
     from src.errors import LaunchError
-    from src.features.tensor_parallel import FEATURE
+    from src.features import tensor_parallel
 
     launched = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
                 "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2", "PARALLELISM_CONFIG_TP_SIZE": "2",
                 "WORLD_SIZE": world_size}  # fmt: skip
     for name, value in launched.items():
         monkeypatch.setenv(name, value)
+    if oldest_torch:
+        monkeypatch.setattr(tensor_parallel, "CPU_TP_TORCH", oldest_torch)
+        tensor_parallel.FEATURE.check_launch(False, parse_config(flags))  # on GPUs: Accelerate's own, any torch
     with pytest.raises(LaunchError, match=refused):
-        FEATURE.check_launch(True, parse_config(flags))
+        tensor_parallel.FEATURE.check_launch(True, parse_config(flags))
 
 
 @needs("hf")

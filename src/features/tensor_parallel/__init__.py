@@ -24,6 +24,9 @@ from src.strategy import FSDP, requested_strategy
 USE_VARIABLE = "ACCELERATE_USE_PARALLELISM_CONFIG"  # what `accelerate launch` sets for a config's parallelism_config
 DEFERRED = "deferred"  # its value once the feature holds the config back (Accelerate builds it for "true" only)
 TASKS = ("causal_lm", "language_modeling")  # the tasks whose models have a plan: the GPT's, a transformers model's
+# tensor parallel over gloo: torch 2.9 and 2.10 train unlike one process, 2.11 on as one process does (its tests,
+# 2026-12-06); HSDP needs what FSDP2 needs (src/strategy.py)
+CPU_TP_TORCH = "2.11"
 
 
 def asked_for() -> bool:
@@ -38,7 +41,9 @@ class TensorParallel(Feature):
     def check_launch(self, use_cpu: bool, config) -> None:
         if not asked_for():
             return
+        import torch
         from accelerate.parallelism_config import ParallelismConfig
+        from accelerate.utils import is_torch_version
 
         sizes = ParallelismConfig()  # the launcher's PARALLELISM_CONFIG_* variables
         launched = int(os.environ.get("WORLD_SIZE", "1"))
@@ -53,6 +58,11 @@ class TensorParallel(Feature):
                 f"the accelerate config's parallelism_config asks for {sizes.total_size} processes "
                 f"(dp_replicate x dp_shard x tp x cp) but {launched} were launched; launch with --num_processes "
                 f"{sizes.total_size} or change the sizes"
+            )
+        if use_cpu and sizes.tp_enabled and is_torch_version("<", CPU_TP_TORCH):
+            raise LaunchError(
+                f"tensor parallel on CPU processes needs torch >= {CPU_TP_TORCH} (this is {torch.__version__}); use "
+                "accelerate_configs/fsdp.yaml on this machine, or a newer torch"
             )
         if config is None or not sizes.tp_enabled:  # scripts/launch.py: the accelerate config alone; or HSDP
             return
