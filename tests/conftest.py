@@ -166,7 +166,8 @@ def resolve_launch(argv: list[str]) -> dict:
 
     launched = {}
     with contextlib.ExitStack() as stack:
-        stack.enter_context(contextlib.chdir(REPO))  # the commands use paths relative to the repository root
+        stack.callback(os.chdir, os.getcwd())
+        os.chdir(REPO)  # the commands use paths relative to the repository root
         stack.enter_context(mock.patch.object(launch_utils, "is_port_in_use", lambda port: False))  # machine 0's check
         for name, prepare in [
             ("simple", lambda args: launch_utils.prepare_simple_launcher_cmd_env(args)[1]),
