@@ -3,7 +3,7 @@
 # `pip install torch` on Linux fetches a multi-GB CUDA build) and what training needs (requirements.txt); with --dev
 # also what the tests need: requirements-dev.txt, every optional feature's requirements/*.txt, and the programs in
 # requirements/tools/ (each in a folder of its own).
-#   bash scripts/setup.sh          # TORCH_VERSION=2.13.0 by default; VENV=.venv
+#   bash scripts/setup.sh          # TORCH_VERSION=2.13.0 by default; VENV=.venv; PYTHON=python3 (3.11+)
 #   bash scripts/setup.sh --dev    # + tests, lint and every feature present
 # The installed torch is then pinned for every later `pip install` in the venv (docs/install.md).
 set -euo pipefail
@@ -16,7 +16,16 @@ case "${1-}" in
     *) echo "error: unknown option '$1': use \`bash scripts/setup.sh\` or \`bash scripts/setup.sh --dev\`" >&2; exit 2 ;;
 esac
 
-[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+# The pinned requirements (pyarrow 26, ...) are published for Python 3.11 and newer: refused now, not by pip later
+python=$([ -x "$VENV/bin/python" ] && echo "$VENV/bin/python" || echo "${PYTHON:-python3}")
+if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    found=$("$python" -c 'import platform; print(platform.python_version())' 2>/dev/null) || found="not found"
+    redo=$([ -x "$VENV/bin/python" ] && echo " (after removing $VENV, made with it)" || true)
+    echo "error: Python 3.11 or newer is needed and $python is $found; run with one$redo:" \
+        "PYTHON=python3.12 bash scripts/setup.sh" >&2
+    exit 2
+fi
+[ -x "$VENV/bin/python" ] || "$python" -m venv "$VENV"
 # --no-compile: a run compiles (and caches) what it imports, ~50 MB; compiling every installed file up front would add
 # ~230 MB of __pycache__ to the training install (and, for --dev, ~40 s compiling 21,610 files the tests mostly never
 # import: the test suite caches what it imports, even where PYTHONDONTWRITEBYTECODE is set: tests/conftest.py).

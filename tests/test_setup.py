@@ -140,6 +140,21 @@ def test_an_unknown_option_is_one_error_line_and_makes_no_venv(tmp_path):
     assert not (tmp_path / "venv").exists()
 
 
+def test_a_python_older_than_the_pinned_requirements_need_is_one_error_line_and_makes_no_venv(tmp_path):
+    """pyarrow 26 and others are published for Python 3.11 on: an older one is refused before anything is made, not
+    by pip's resolver after the venv and torch (`PYTHON`: the interpreter the venv is made with)."""
+    old = tmp_path / "python3.10"  # answers as Python 3.10.13 does to setup.sh's two questions
+    old.write_text('#!/bin/sh\ncase "$2" in *platform*) echo 3.10.13;; *) exit 1;; esac\n')
+    old.chmod(0o755)
+    result = run(["bash", "scripts/setup.sh"], VENV=str(tmp_path / "venv"), PYTHON=str(old))
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (
+        f"error: Python 3.11 or newer is needed and {old} is 3.10.13; run with one: PYTHON=python3.12 bash "
+        "scripts/setup.sh\n"
+    )
+    assert not (tmp_path / "venv").exists()
+
+
 def test_the_programs_the_tests_start_are_installed_as_pinned():
     """Each requirements/tools/NAME.txt is what .venv/tools/NAME holds (setup.sh keeps a copy of what it installed)."""
     for file in sorted((REPO / "requirements" / "tools").glob("*.txt")):
