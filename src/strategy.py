@@ -11,8 +11,8 @@ from src import features
 from src.errors import LaunchError
 
 FSDP, DEEPSPEED = "FSDP", "DEEPSPEED"
-# FSDP2 (and HSDP) over gloo: torch 2.6 fails at its first step, 2.7 and 2.8 train unlike one process, 2.9 on as one
-# process does (tests/test_sharded.py, 2026-12-06); Accelerate's FSDP2 on GPUs is not limited by it
+# FSDP2 over gloo: torch 2.6 fails at its first step, 2.7 and 2.8 train unlike one process (losses 2e-3 apart), 2.9 on
+# as one process does (tests/test_sharded.py, 2026-12-06); HSDP too. Accelerate's FSDP2 on GPUs is not limited by it
 CPU_FSDP2_TORCH = "2.9"
 
 
