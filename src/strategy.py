@@ -40,10 +40,15 @@ def check_launch(use_cpu: bool, config=None) -> None:
             "the accelerate config asks for FSDP version 1, which needs GPUs, and this machine has "
             "none; use accelerate_configs/fsdp.yaml (FSDP2: fsdp_version: 2)"
         )
-    if is_torch_version("<", CPU_FSDP2_TORCH):
+    refuse_older_torch("FSDP2", CPU_FSDP2_TORCH, instead="accelerate_configs/ddp.yaml")
+
+
+def refuse_older_torch(what: str, oldest: str, instead: str) -> None:
+    """`what` on CPU processes with a torch older than `oldest` (each caller's measured floor): one line."""
+    if is_torch_version("<", oldest):
         raise LaunchError(
-            f"FSDP2 on CPU processes needs torch >= {CPU_FSDP2_TORCH} (this is {torch.__version__}); use "
-            "accelerate_configs/ddp.yaml on this machine, or a newer torch"
+            f"{what} on CPU processes needs torch >= {oldest} (this is {torch.__version__}); use {instead} on this "
+            "machine, or a newer torch"
         )
 
 

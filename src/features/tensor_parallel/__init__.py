@@ -19,7 +19,7 @@ import os
 
 from src.errors import LaunchError
 from src.features import Feature
-from src.strategy import FSDP, requested_strategy
+from src.strategy import FSDP, refuse_older_torch, requested_strategy
 
 USE_VARIABLE = "ACCELERATE_USE_PARALLELISM_CONFIG"  # what `accelerate launch` sets for a config's parallelism_config
 DEFERRED = "deferred"  # its value once the feature holds the config back (Accelerate builds it for "true" only)
@@ -41,9 +41,7 @@ class TensorParallel(Feature):
     def check_launch(self, use_cpu: bool, config) -> None:
         if not asked_for():
             return
-        import torch
         from accelerate.parallelism_config import ParallelismConfig
-        from accelerate.utils import is_torch_version
 
         sizes = ParallelismConfig()  # the launcher's PARALLELISM_CONFIG_* variables
         launched = int(os.environ.get("WORLD_SIZE", "1"))
@@ -59,11 +57,8 @@ class TensorParallel(Feature):
                 f"(dp_replicate x dp_shard x tp x cp) but {launched} were launched; launch with --num_processes "
                 f"{sizes.total_size} or change the sizes"
             )
-        if use_cpu and sizes.tp_enabled and is_torch_version("<", CPU_TP_TORCH):
-            raise LaunchError(
-                f"tensor parallel on CPU processes needs torch >= {CPU_TP_TORCH} (this is {torch.__version__}); use "
-                "accelerate_configs/fsdp.yaml on this machine, or a newer torch"
-            )
+        if use_cpu and sizes.tp_enabled:
+            refuse_older_torch("tensor parallel", CPU_TP_TORCH, instead="accelerate_configs/fsdp.yaml")
         if config is None or not sizes.tp_enabled:  # scripts/launch.py: the accelerate config alone; or HSDP
             return
         if config.task not in TASKS:
