@@ -147,7 +147,7 @@ def train(config: TrainConfig) -> dict:
     best = BestEvaluation(config, state)  # a new best model is checkpointed; early stopping
     total_steps = state.step if best.stopped_early() else total_steps  # resumed after it stopped early: done
     progress = tracking.progress_bar(accelerator, total_steps, initial=step)
-    export = partial(final_model.export_model, accelerator, task, run.saved_model) if task.export_checkpoints else None
+    export = partial(task.save_model, accelerator, run.saved_model) if task.export_checkpoints else None
     source = batches.train_data(accelerator, run.train_loader, config, task.collate_fn())  # index_batches': by index
     windows = batches.train_windows(source, accumulation, position) if step < total_steps else []  # []: a run finished
     norm_every_step = bool(config.max_grad_norm or config.skip_nonfinite_batches)  # else at log steps only

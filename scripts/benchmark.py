@@ -354,7 +354,7 @@ def child_command(args, side: str, condition: str, result: Path) -> list[str]:
 # 0-1,240 faults per CNN step here, a count that differs from process to process and moves the speed of the same
 # loop by up to 20% between runs. The tuned condition runs every side with two allocator settings that stop the
 # give-back, so the comparison sees the loops, not the allocator's luck. (Huge pages favoured the raw side: unused.)
-# The template sets the same on the CPU itself (src/accelerator.py: keep_freed_host_memory), so in the default
+# The template sets the same on the CPU itself (the fast_accelerator feature), so in the default
 # condition its runs don't fault and the raw loops', as a hand-written loop's, do.
 STEADY_ALLOCATOR = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296"
 

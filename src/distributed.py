@@ -8,8 +8,8 @@ from accelerate import DataLoaderConfiguration, PartialState
 from accelerate.utils import GradientAccumulationPlugin
 from torch import nn
 
-from src import strategy, tracking
-from src.accelerator import Accelerator, keep_freed_host_memory
+from src import features, strategy, tracking
+from src.accelerator import Accelerator
 from src.config import TrainConfig, resolve_global_batch
 from src.errors import UsageError, let_threads_settle, one_line
 from src.preemption import signals_as_default, watch_launcher
@@ -29,8 +29,7 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
             "accelerate_configs/ddp.yaml"
         )
     strategy.check_launch(use_cpu, config)
-    if use_cpu:
-        keep_freed_host_memory()
+    accelerator_class = features.installed().accelerator_class(use_cpu) or Accelerator  # e.g. fast_accelerator's
     strategy_options = strategy.accelerator_options(use_cpu, config)  # cpu, and what FSDP/DeepSpeed need
     with signals_as_default():  # a process that failed before the group formed: the launcher's SIGTERM ends the wait
         state = PartialState(**strategy.process_group_options(strategy_options))  # forms the group
@@ -45,7 +44,7 @@ def build_accelerator(config: TrainConfig, log_with: list | None = None):
     if config.tf32 is not None and not use_cpu:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = config.tf32
     try:
-        accelerator = Accelerator(
+        accelerator = accelerator_class(
             log_with=log_with,
             mixed_precision=config.mixed_precision,  # None: the accelerate config's
             project_dir=config.output_dir,

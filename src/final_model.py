@@ -9,7 +9,6 @@ from accelerate.utils import load_checkpoint_in_model
 from accelerate.utils.memory import should_reduce_batch_size
 from safetensors import SafetensorError
 
-from src.accelerator import deepspeed_only_if_used
 from src.checkpoint import all_processes_agree, write_failed
 from src.config import TrainConfig
 from src.errors import UsageError, one_line
@@ -23,7 +22,7 @@ def save_final_model(accelerator, task, model, output_dir: Path) -> Path:
     partial = final.with_name(TMP_PREFIX + MODEL_DIR)  # a stopped run's: removed at the next start (src/run_dir.py)
     failure = None
     try:
-        export_model(accelerator, task, model, partial)
+        task.save_model(accelerator, model, partial)
     except (OSError, RuntimeError, SafetensorError) as err:  # a full disk: Python's, torch.save's, safetensors' error
         if should_reduce_batch_size(err):  # out of memory gathering a sharded model: no write failed
             raise
@@ -37,12 +36,6 @@ def save_final_model(accelerator, task, model, output_dir: Path) -> Path:
         move_into_place(partial, final)
     accelerator.wait_for_everyone()
     return final
-
-
-def export_model(accelerator, task, model, directory: Path) -> None:
-    """task.save_model into `directory`, deepspeed hidden unless a DeepSpeed run (unwrap_model imports it: ~1 s)."""
-    with deepspeed_only_if_used(accelerator):
-        task.save_model(accelerator, model, directory)
 
 
 def load_weights(model, path: str):

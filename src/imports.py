@@ -1,8 +1,7 @@
 """What a run imports: only what it uses. Some libraries import an optional package wherever installed, just to ask what
 this run knows; `hidden` hides it then: transformers while evaluate is imported (src/metrics.py), deepspeed in
-`Accelerator.prepare`, `unwrap_model` and saving unless the run is DeepSpeed (src/accelerator.py, src/final_model.py),
-datasets while Accelerate shards a loader (src/accelerator.py), mlflow while DeepSpeed is imported
-(src/features/deepspeed)."""
+`Accelerator.prepare`, `unwrap_model` and `save_model` unless the run is DeepSpeed, and datasets while Accelerate
+shards a loader (src/features/fast_accelerator), mlflow while DeepSpeed is imported (src/features/deepspeed)."""
 
 import contextlib
 import sys

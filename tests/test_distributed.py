@@ -1,6 +1,5 @@
 """The core promise: the same command trains the same way on 1 and N processes, with exact metrics."""
 
-import platform
 import re
 
 import pytest
@@ -182,51 +181,6 @@ def test_sharded_processes_that_form_no_group_are_refused(out, tmp_path, config)
     # the launcher's report: a rank refused with 2 (the other may have been stopped by the launcher first)
     assert result.stderr.count("exitcode  : 2") >= 1
     assert not out.exists()
-
-
-FAULTS_PER_STEP = """
-import resource, sys, torch
-from src.config import TrainConfig
-from src.cli import resolve
-from src.distributed import build_accelerator
-x, conv1, conv2 = torch.randn(64, 1, 8, 8), torch.nn.Conv2d(1, 32, 3, padding=1), torch.nn.Conv2d(32, 64, 3, padding=1)
-def step():  # activations of 0.5 and 1 MB, freed at each step's end: the digits CNN's pattern
-    conv2(torch.relu(conv1(x))).sum().backward()
-def faults_per_step():
-    for _ in range(10):
-        step()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(50):
-        step()
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 50
-if sys.argv[1] == "plain first":
-    print(faults_per_step())
-build_accelerator(resolve(TrainConfig()))
-print(faults_per_step())
-"""
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
-def test_cpu_steps_do_not_page_fault_their_activations_back_in():
-    """glibc's malloc returns freed activations above its mmap threshold to the OS and faults them in again at the
-    next step (its threshold starts at 128 KB and moves with the process's history: 43-960 faults per step of this
-    loop measured); after build_accelerator on the CPU the heap keeps them (src/accelerator.py), unless the user's
-    GLIBC_TUNABLES sets malloc options. Two processes: glibc's own (its initial threshold held fixed by the user's
-    tunables), then build_accelerator in that same process; and build_accelerator in a process with no tunables."""
-    glibc_start = {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}  # glibc's initial threshold, held fixed
-    with_tunables = run_python("-c", FAULTS_PER_STEP, "plain first", env=glibc_start)
-    template = run_python("-c", FAULTS_PER_STEP, "template", env={})
-    assert_ok(with_tunables)
-    assert_ok(template)
-    glibc, with_template = (float(word) for word in with_tunables.stdout.split()[-2:])
-    faults = {
-        "glibc": glibc,
-        "template, user's tunables": with_template,
-        "template": float(template.stdout.split()[-1]),
-    }
-    # with the fix: 0-2.6 on an idle machine, 5.1 beside the full suite; without it: 43 at the least
-    assert faults["template"] < 20 < 30 < min(faults["glibc"], faults["template, user's tunables"]), faults
 
 
 def test_the_strategy_is_read_through_torch_compile():

@@ -31,6 +31,10 @@ class Feature:
         """The Accelerator's arguments for a strategy the feature runs (`cpu` included), or None: not its strategy."""
         return None
 
+    def accelerator_class(self, use_cpu: bool) -> type | None:
+        """A subclass of src/accelerator.py's Accelerator that the run builds instead (e.g. cheaper calls), or None."""
+        return None
+
     def train_loader(self, task, config, pin_memory: bool):
         """A train DataLoader of the feature's own (e.g. a stream) in place of the in-memory one, or None."""
         return None
@@ -105,6 +109,7 @@ class Features(tuple):
     on_checkpoint = each(Feature.on_checkpoint)
     on_end = each(Feature.on_end)
     accelerator_options = first(Feature.accelerator_options)
+    accelerator_class = first(Feature.accelerator_class)
     train_loader = first(Feature.train_loader)
     train_batches = first(Feature.train_batches)
     wrap_train = chain(Feature.wrap_train)
