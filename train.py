@@ -108,9 +108,10 @@ def train(config: TrainConfig) -> dict:
     features.installed().check(config)  # src/features/: each feature's bad input said before training, not after
     run_dir.refuse_to_replace(config, resuming=bool(config.resume_from_checkpoint))  # before the data is read
     run = set_up(config, training=True)
-    BestEvaluation.check_logged(config, run.task, run.metric)  # a misspelt watched metric: said before any step
-    if config.do_eval:  # an eval bug: said before any step, not at the first evaluation
-        tasks.check_eval_outputs(run.task, run.saved_model, run.eval_loader, run.metric, run.accelerator)
+    # e.g. preflight's: the data and the task's eval code tried on a batch, said before any step
+    features.installed().before_training(
+        run.accelerator, config, run.task, run.saved_model, run.train_loader, run.eval_loader, run.metric
+    )
     accelerator, task, model, metric, eval_loader = run.accelerator, run.task, run.model, run.metric, run.eval_loader
     accumulation = accelerator.gradient_accumulation_steps
     global_batch = loaders.global_batch(config, accelerator)  # the same on any process count

@@ -8,7 +8,6 @@ import math
 from src.checkpoint import TrainerState
 from src.config import TrainConfig
 from src.errors import UsageError
-from src.metrics import Metric, known_keys
 
 logger = logging.getLogger(__name__)
 
@@ -50,24 +49,6 @@ class BestEvaluation:
                                "next evaluation on", state.early_stopping_by, early_stopping_by)  # fmt: skip
             state.best_metric, state.evals_without_improvement = None, 0
         state.best_model_by, state.early_stopping_by = best_model_by, early_stopping_by
-
-    @staticmethod
-    def check_logged(config: TrainConfig, task, metric: Metric | None) -> None:
-        """A watched metric that no evaluation will log (a misspelt `--metric_for_best_model`), refused before training
-        where the eval keys are known: the built-in metrics' and the task's derived ones. Else the first evaluation
-        says it."""
-        keys = known_keys(metric)
-        if keys is None:
-            return
-        scores = {"eval/loss": 1.0, **{f"eval/{key}": 0.5 for key in keys}}
-        try:
-            logged = {**scores, **task.derived_metrics(scores), "eval/num_samples": 1}  # derived from made-up scores
-        except Exception:  # the task's own code on made-up scores: its keys are left for the first evaluation to find
-            return
-        if config.metric_for_best_model:
-            watched(logged, config.metric_for_best_model, "--metric_for_best_model")
-        if config.early_stopping_patience:
-            watched(logged, config.early_stopping_metric, "--early_stopping_metric")
 
     def update(self, metrics: dict, step: int) -> tuple[bool, bool]:
         """(a new best model: checkpoint it, stop training here)."""

@@ -3,12 +3,12 @@ pin_memory (for a GPU): batches collated into page-locked memory, which the GPU 
 
 import logging
 
-from torch.utils.data import DataLoader, Dataset, Subset, default_collate
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from src import features, strategy
 from src.config import TrainConfig
 from src.data import MissingColumns, has_split
-from src.errors import RunStopped, TaskFailed, UsageError, describe, one_line
+from src.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,6 @@ def build_loaders(task, config: TrainConfig, accelerator, training: bool, pin_me
         collate_fn = task.collate_fn()  # after the datasets: e.g. a padding collator needs the tokenizer they loaded
         train_loader, eval_loader = build_dataloaders(train_set, eval_set, config, collate_fn, pin_memory)
         check_split_sizes(train_loader, eval_loader if config.do_eval else None, global_batch(config, accelerator))
-        check_first_batch(train_loader, task)
         return train_loader, eval_loader
     if not (training or config.do_eval):
         return train_loader, None
@@ -90,24 +89,6 @@ def labelled_split(task, split: str, predicted: bool) -> tuple[Dataset | None, D
         logger.warning("no test/ metrics: %s; %s", missing.what,
                        "it is only predicted" if predicted else "--do_predict true predicts it")  # fmt: skip
         return None, inputs
-
-
-def check_first_batch(loader: DataLoader, task) -> None:
-    """Collate one batch before training: a sample format the collate_fn can't batch is one line, not a traceback."""
-    try:
-        samples = [loader.dataset[i] for i in range(min(loader.batch_size or 1, len(loader.dataset)))]
-    except RunStopped:
-        raise
-    except Exception as err:  # e.g. an image file that does not decode
-        raise TaskFailed(f"reading the first samples failed: {type(err).__name__}: {one_line(err)[:400]}") from err
-    try:
-        (loader.collate_fn or default_collate)(samples)
-    except Exception as err:
-        raise TaskFailed(
-            f"{type(task).__name__}: batching samples failed ({type(err).__name__}: {one_line(err)}); "
-            f"a sample is {describe(samples[0])}; samples of different sizes need a collate_fn that pads "
-            "(override the task's collate_fn(), e.g. DataCollatorWithPadding)"
-        ) from err
 
 
 def check_split_sizes(train_loader: DataLoader, eval_loader: DataLoader | None, global_batch: int) -> None:

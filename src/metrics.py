@@ -24,7 +24,7 @@ class Metric(Protocol):
 class Accuracy:
     """Built in: a run needing no other metric imports neither `evaluate` nor `datasets` (~0.7 s, docs/benchmark.md)."""
 
-    keys = ("accuracy",)  # what compute() gives, known before any evaluation (src/best.py checks the watched metrics)
+    keys = ("accuracy",)  # what compute() gives, known before any evaluation (e.g. to check a watched metric)
     correct = total = 0  # since the last compute()
 
     def add_batch(self, *, predictions, references) -> None:
@@ -58,15 +58,6 @@ class Metrics(list):
         if twice := sorted(name for name, count in Counter(name for r in results for name in r).items() if count > 1):
             raise TaskFailed(f"two metrics both give {', '.join(twice)}; keep one of them in --metrics")
         return {name: value for result in results for name, value in result.items()}
-
-
-def known_keys(metric: Metric | None) -> list[str] | None:
-    """The keys compute() gives, where they are known before evaluating (the built-in metrics'); None where an
-    `evaluate` metric's are known only once it has computed."""
-    parts = [] if metric is None else metric if isinstance(metric, Metrics) else [metric]
-    if not all(isinstance(part, tuple(BUILT_IN.values())) for part in parts):
-        return None
-    return [key for part in parts for key in part.keys]
 
 
 def load_metrics(names: list[str]) -> Metric | None:

@@ -53,6 +53,21 @@ def needs(*names: str):
 # --- results of a run ---
 
 
+class Unreadable(torch.utils.data.Dataset):
+    """A dataset whose samples from index `bad` on don't read (as a truncated file does): an OSError."""
+
+    def __init__(self, inner, bad: int):
+        self.inner, self.bad = inner, bad
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int):
+        if index >= self.bad:
+            raise OSError(f"sample {index}: truncated file")
+        return self.inner[index]
+
+
 def assert_error_line(result, pattern: str, exit_code: int = EXIT_USAGE) -> None:
     """The run failed as bad input does: exit code `exit_code`, a last stderr line `error: ...` matching `pattern`,
     no traceback."""

@@ -44,42 +44,6 @@ def test_an_unlogged_metric_names_the_flag_and_the_logged_ones():
         BestEvaluation(config, TrainerState()).update({"eval/loss": 1.0, "eval/mae": 0.5}, 1)
 
 
-class Task:
-    """What check_logged asks of a task: its derived metrics."""
-
-    def __init__(self, derived=lambda scores: {}):
-        self.derived_metrics = derived
-
-
-def test_a_misspelt_watched_metric_is_refused_before_training_where_the_keys_are_known():
-    """The built-in metrics' keys and the task's derived ones are known before any evaluation: a watched metric that
-    none of them is, is a usage error then. An `evaluate` metric's keys, or a task whose derived metrics fail on
-    made-up scores, leave it to the first evaluation."""
-    from src.metrics import Accuracy, Named
-
-    def perplexity(scores):
-        return {"eval/perplexity": math.exp(scores["eval/loss"])}
-
-    check = BestEvaluation.check_logged
-    check(TrainConfig(metric_for_best_model="accuracy"), Task(), Accuracy())
-    check(TrainConfig(early_stopping_patience=2, early_stopping_metric="perplexity"), Task(perplexity), None)
-    with pytest.raises(UsageError, match="--metric_for_best_model eval/acuracy is not logged; did you mean eval/accur"):
-        check(TrainConfig(metric_for_best_model="acuracy"), Task(), Accuracy())
-    with pytest.raises(UsageError, match="eval/perplexty is not logged; did you mean eval/perplexity"):
-        check(TrainConfig(early_stopping_patience=2, early_stopping_metric="perplexty"), Task(perplexity), None)
-    check(TrainConfig(metric_for_best_model="f1"), Task(), Named("f1", object()))  # evaluate's: known only later
-    check(TrainConfig(metric_for_best_model="r2"), Task(lambda scores: 1 / 0), Accuracy())  # the task's: later
-
-
-def test_a_misspelt_metric_for_best_model_stops_the_run_before_it_writes_anything(tmp_path):
-    out = tmp_path / "run"
-    result = run_main("--metric_for_best_model", "acuracy", "--max_steps", "4", "--output_dir", str(out))
-    assert result.returncode == 2, result.stderr[-2000:]
-    said = result.stderr.strip().splitlines()[-1]
-    assert said.startswith("error: --metric_for_best_model eval/acuracy is not logged; did you mean eval/accuracy? ")
-    assert not out.exists()
-
-
 @pytest.mark.parametrize(
     ("metric", "mode", "keeps"),
     [

@@ -14,7 +14,6 @@ import yaml
 from src.cli import parse_config, resolve
 from src.config import TrainConfig, save_config
 from src.errors import EXIT_TASK_FAILED, LaunchError, TaskFailed, UsageError, describe
-from src.loaders import build_dataloaders, check_first_batch
 from src.run_dir import run_files, trained_any_step
 from src.tasks import BUILT_IN, build_task, task_class, task_name
 from src.tasks.base import Task, task_errors
@@ -28,7 +27,7 @@ from tests.conftest import (
     run_command,
     run_main,
 )
-from tests.helpers import needs
+from tests.helpers import Unreadable, has_feature, needs
 
 
 def digits_only(task: str) -> set[str]:
@@ -252,22 +251,6 @@ def test_describe_names_the_structure():
     assert describe(batch) == "{input_ids: tensor int64 [2, 5], labels: [int, int]}"
 
 
-class Ragged(Task):
-    """Samples of different lengths and the default collate: what a text task without padding looks like."""
-
-    def build_datasets(self):
-        samples = [{"input_ids": torch.arange(n)} for n in (3, 5, 4, 6)]
-        return samples, samples
-
-
-def test_samples_that_cannot_be_batched_say_so():
-    train, evals = Ragged(TrainConfig()).build_datasets()
-    loader, _ = build_dataloaders(train, evals, dataclasses.replace(TrainConfig(), per_device_train_batch_size=2))
-    with pytest.raises(TaskFailed, match=r"Ragged: batching samples failed .*a sample is \{input_ids: tensor int64 "
-                                         r"\[3\]\}; .*collate_fn"):  # fmt: skip
-        check_first_batch(loader, Ragged(TrainConfig()))
-
-
 @pytest.mark.parametrize(
     "env, message",
     [
@@ -421,37 +404,17 @@ def test_a_task_failing_on_its_data_or_model_is_one_line_before_anything_is_writ
         assert "Traceback" not in failed.stderr and not out.exists()
 
 
-class Unreadable(torch.utils.data.Dataset):
-    """The digits, whose samples from index `bad` on don't read (as a truncated file does): an OSError."""
-
-    def __init__(self, inner, bad: int):
-        self.inner, self.bad = inner, bad
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def __getitem__(self, index: int):
-        if index >= self.bad:
-            raise OSError(f"sample {index}: truncated file")
-        return self.inner[index]
-
-
-@pytest.mark.parametrize(
-    "bad, line",
-    [(0, "error: reading the first samples failed: OSError: sample 0: truncated file"),
-     (32, r"error: reading a batch failed: OSError: sample \d+: truncated file \(--debug true shows the traceback\)")],
-)  # fmt: skip
-def test_a_sample_that_does_not_read_is_one_line_before_training_or_in_it(tmp_path, monkeypatch, bad, line):
-    """Data the loop reads (a corrupt file, here from the first batch, or past it: read by the training loop): one
-    line, exit 70, not a traceback."""
+def test_a_sample_that_does_not_read_is_one_line(tmp_path, monkeypatch):
+    """Data the training loop reads (a corrupt file, here past the first batch): one line, exit 70, no traceback."""
     from src.tasks.digits import Digits
 
     build_datasets = Digits.build_datasets
     monkeypatch.setattr(
-        Digits, "build_datasets", lambda self: (Unreadable(build_datasets(self)[0], bad), *build_datasets(self)[1:])
+        Digits, "build_datasets", lambda self: (Unreadable(build_datasets(self)[0], 32), *build_datasets(self)[1:])
     )
     failed = run_main(*QUICK, "--output_dir", str(tmp_path / "run"))
     assert failed.returncode == EXIT_TASK_FAILED, failed.stderr[-2000:]
+    line = r"error: reading a batch failed: OSError: sample \d+: truncated file \(--debug true shows the traceback\)"
     assert re.fullmatch(line, failed.stderr.strip().splitlines()[-1]) and "Traceback" not in failed.stderr
 
 
@@ -469,80 +432,21 @@ def test_a_failing_method_under_torch_no_grad_is_named_as_itself(tmp_path, monke
     assert failed.returncode == EXIT_TASK_FAILED, failed.stderr[-2000:]
     last = failed.stderr.strip().splitlines()[-1]
     assert last.startswith("error: Digits.eval_outputs() failed on a batch ") and "ValueError: an eval bug" in last
-    assert not (tmp_path / "run").exists()  # said before training (check_eval_outputs): nothing written, nothing lost
+    assert not (tmp_path / "run").exists() or not has_feature("preflight")  # said before training: nothing written
 
 
-@pytest.mark.parametrize(
-    ("outputs", "said"),
-    [(lambda loss: {"loss": loss}, "it must give a dict of loss, weight, predictions, references"),
-     (lambda loss: {"loss": loss.mean(), "weight": torch.ones_like(loss), "predictions": loss, "references": loss},
-      "each must be a tensor of one value per sample, the batch along dim 0"),
-     (lambda loss: {"loss": loss, "weight": torch.ones(1), "predictions": loss, "references": loss},
-      "each must be a tensor of one value per sample, the batch along dim 0")],
-)  # fmt: skip
-def test_eval_outputs_evaluation_cannot_use_are_said_before_training(tmp_path, monkeypatch, outputs, said):
-    """A task's eval_outputs() that fails, or gives what evaluation can't use (a key missing, a batch mean, another
-    length), is one line before the first step, not at the first evaluation (steps past the last checkpoint lost);
-    nothing is written."""
-    from src.tasks.digits import Digits
-
-    def eval_outputs(self, model, batch):
-        inputs, labels = batch
-        return outputs(torch.nn.functional.cross_entropy(model(inputs), labels, reduction="none"))
-
-    monkeypatch.setattr(Digits, "eval_outputs", eval_outputs)
-    failed = run_main(*QUICK, "--output_dir", str(tmp_path / "run"))
-    assert failed.returncode == EXIT_TASK_FAILED, failed.stderr[-2000:]
-    last = failed.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: Digits.eval_outputs() gave ") and said in last, last
-    assert not (tmp_path / "run").exists() and "step 1 " not in failed.stderr
-
-
-@pytest.mark.parametrize(
-    ("eval_set", "line", "code"),
-    [(lambda eval_set: torch.utils.data.Subset(eval_set, []),
-      r"error: the eval split has no samples; give it some, or train without evaluating: --do_eval false", 2),
-     (lambda eval_set: Unreadable(eval_set, 0),
-      r"error: reading a batch failed: OSError: sample 0: truncated file \(--debug true shows the traceback\)",
-      EXIT_TASK_FAILED)],
-    ids=["empty", "unreadable"],
-)  # fmt: skip
-def test_an_eval_split_that_cannot_be_evaluated_is_one_line_before_training(tmp_path, monkeypatch, eval_set, line,
-                                                                             code):  # fmt: skip
-    """A task's empty eval split (it evaluated to NaN), or one whose first sample does not read: one line before the
-    first step, nothing written (the check before training reads a batch as evaluation does)."""
+def test_an_empty_eval_split_is_one_line_before_training(tmp_path, monkeypatch):
+    """A task's empty eval split (it evaluated to NaN): one line before the first step, nothing written."""
     from src.tasks.digits import Digits
 
     build_datasets = Digits.build_datasets
-    monkeypatch.setattr(Digits, "build_datasets", lambda self: (lambda t, e: (t, eval_set(e)))(*build_datasets(self)))
+    monkeypatch.setattr(
+        Digits, "build_datasets", lambda self: (lambda t, e: (t, torch.utils.data.Subset(e, [])))(*build_datasets(self))
+    )
     failed = run_main(*QUICK, "--output_dir", str(tmp_path / "run"))
-    assert re.fullmatch(line, failed.stderr.strip().splitlines()[-1]), failed.stderr[-2000:]
-    assert failed.returncode == code and not (tmp_path / "run").exists()
-
-
-def test_the_check_before_training_leaves_the_random_generators_as_they_were(tmp_path, monkeypatch):
-    """The training after the eval check draws what it would draw without it, even from a task whose eval_outputs
-    draws random numbers (and the loader's iterator draws its seed)."""
-    from src.tasks.digits import Digits
-
-    eval_outputs, loss, first_draws = Digits.eval_outputs, Digits.loss, []
-
-    def loss_recording_its_first_draw(self, model, batch):
-        if len(first_draws) < len(runs):
-            first_draws.append(torch.rand(1).item())
-        return loss(self, model, batch)
-
-    def drawing(self, model, batch):
-        torch.rand(100)
-        return eval_outputs(self, model, batch)
-
-    monkeypatch.setattr(Digits, "loss", loss_recording_its_first_draw)
-    runs = []
-    for draws in (False, True):
-        runs.append(draws)
-        monkeypatch.setattr(Digits, "eval_outputs", drawing if draws else eval_outputs)
-        assert_ok(run_main(*QUICK, "--max_steps", "1", "--output_dir", str(tmp_path / str(draws))))
-    assert len(first_draws) == 2 and first_draws[0] == first_draws[1]
+    line = "error: the eval split has no samples; give it some, or train without evaluating: --do_eval false"
+    assert failed.stderr.strip().splitlines()[-1] == line, failed.stderr[-2000:]
+    assert failed.returncode == 2 and not (tmp_path / "run").exists()
 
 
 def test_a_task_method_failing_anywhere_in_the_run_is_one_line(tmp_path, monkeypatch):

@@ -49,6 +49,9 @@ class Feature:
     def on_start(self, accelerator, config, resumed: bool) -> None:
         """The output directory is ready (a fresh start cleared it); training is about to start."""
 
+    def before_training(self, accelerator, config, task, model, train_loader, eval_loader, metric) -> None:
+        """After `prepare`, before the first step, on every process (`model` uncompiled): e.g. one batch tried."""
+
     def train_batches(self, accelerator, loader, config, collate_fn):
         """The prepared train loader's batches from a cheaper source (`epoch(epoch, skip)`, as src/batches.py's
         LoaderBatches), or None."""
@@ -105,6 +108,7 @@ class Features(tuple):
     check = each(Feature.check)
     before_resume = each(Feature.before_resume)
     on_start = each(Feature.on_start)
+    before_training = each(Feature.before_training)
     on_step = each(Feature.on_step)
     on_checkpoint = each(Feature.on_checkpoint)
     on_end = each(Feature.on_end)

@@ -7,11 +7,9 @@ import inspect
 import pkgutil
 from pathlib import Path
 
-import torch
-from accelerate.utils import send_to_device
 from jsonargparse import ArgumentParser
 
-from src.errors import TaskFailed, UsageError, describe, one_line
+from src.errors import UsageError, one_line
 from src.features import feature_tasks, installed
 from src.tasks.base import Task, task_errors  # noqa: F401  (task_errors: part of the contract train.py uses)
 
@@ -93,43 +91,6 @@ def starting_model(task: Task, config, accelerator):
     """A run's starting model: `--model_name_or_path`'s weights or new ones, adapted by the features (e.g. LoRA)."""
     model = task.load_model(config.model_name_or_path) if config.model_name_or_path else task.build_model()
     return installed().adapt_model(model, accelerator)
-
-
-@torch.no_grad()
-def check_eval_outputs(task: Task, model, eval_loader, metric, accelerator) -> None:
-    """One eval batch through `task.eval_outputs` before training: its bug, or outputs evaluation can't use, is said
-    now, not at the first evaluation, after steps the last checkpoint may not hold. The random generators it draws
-    from (a loader's seed, a task's own draws) are put back: the training that follows is as without it."""
-    from torch.distributed.fsdp import FSDPModule
-
-    device = accelerator.device
-    on_device = [] if device.type == "cpu" else [device.index or 0]
-    with torch.random.fork_rng(on_device, device_type=device.type):
-        batches = iter(eval_loader.base_dataloader)  # this process's share, read as evaluation reads it
-        batch = next(batches, None)
-        del batches  # a loader's workers end with their iterator
-        if batch is None:  # an iterable split with nothing for this process: evaluation says so
-            return
-        model.eval()
-        try:
-            outputs = task.eval_outputs(model, send_to_device(batch, device))
-        finally:
-            model.train()
-            if isinstance(model, FSDPModule):  # FSDP2 leaves the root unsharded after a forward, for a backward
-                model.reshard()
-    needed = ["loss", "weight", *(["predictions", "references"] if metric is not None else [])]
-    name = f"{type(task).__name__}.eval_outputs()"
-    if not isinstance(outputs, dict) or any(key not in outputs for key in needed):
-        raise TaskFailed(
-            f"{name} gave {describe(outputs)}; it must give a dict of {', '.join(needed)} (docs/customize.md)"
-        )
-    per_sample = all(torch.is_tensor(outputs[key]) and outputs[key].ndim > 0 for key in needed)
-    if not per_sample or len({outputs[key].shape[0] for key in needed}) > 1:
-        shapes = ", ".join(f"{key}: {describe(outputs[key])}" for key in needed)
-        raise TaskFailed(
-            f"{name} gave {{{shapes}}}; each must be a tensor of one value per sample, the batch along dim 0 (e.g. a "
-            "loss with reduction='none')"
-        )
 
 
 def parse_task_options(task_cls, values: dict):
