@@ -8,11 +8,11 @@ from accelerate import DataLoaderConfiguration, PartialState
 from accelerate.utils import GradientAccumulationPlugin
 from torch import nn
 
-from src import strategy, tracking
+from src import features, strategy, tracking
 from src.accelerator import Accelerator, keep_freed_host_memory
 from src.config import TrainConfig, resolve_global_batch
 from src.errors import UsageError, let_threads_settle, one_line
-from src.preemption import signals_as_default, watch_launcher
+from src.preemption import signals_as_default
 
 
 def has_accelerator() -> bool:
@@ -20,7 +20,7 @@ def has_accelerator() -> bool:
 
 
 def build_accelerator(config: TrainConfig, log_with: list | None = None):
-    watch_launcher()  # a rank never outlives its launcher (src/preemption.py)
+    features.installed().before_process_group()  # e.g. launcher_watch's: a rank never outlives its launcher
     use_cpu = not has_accelerator()
     if launcher_started_one_of_many():
         raise UsageError(
