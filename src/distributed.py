@@ -12,7 +12,7 @@ from src import features, strategy, tracking
 from src.accelerator import Accelerator
 from src.config import TrainConfig, resolve_global_batch
 from src.errors import UsageError, let_threads_settle, one_line
-from src.preemption import signals_as_default, watch_launcher
+from src.preemption import signals_as_default
 
 
 def has_accelerator() -> bool:
@@ -20,7 +20,7 @@ def has_accelerator() -> bool:
 
 
 def build_accelerator(config: TrainConfig, log_with: list | None = None):
-    watch_launcher()  # a rank never outlives its launcher (src/preemption.py)
+    features.installed().before_process_group()  # e.g. launcher_watch's: a rank never outlives its launcher
     use_cpu = not has_accelerator()
     if launcher_started_one_of_many():
         raise UsageError(

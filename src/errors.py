@@ -11,10 +11,9 @@ EXIT_DIVERGED = 65  # the loss became NaN/inf (earlier checkpoints are intact); 
 EXIT_TASK_FAILED = 70  # the task's code failed (its data, model, a batch): the line names the hook; EX_SOFTWARE
 EXIT_WRITE_FAILED = 74  # a checkpoint could not be written or uploaded (the previous are intact); EX_IOERR
 EXIT_PREEMPTED = 75  # preempted, a checkpoint saved: run the same command to resume; EX_TEMPFAIL, "try again"
-EXIT_LAUNCHER_GONE = 129  # 128 + SIGHUP, as a process whose terminal hung up (src/preemption.py)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 DOCUMENTED_EXIT_CODES = (EXIT_USAGE, EXIT_DIVERGED, EXIT_TASK_FAILED, EXIT_WRITE_FAILED, EXIT_PREEMPTED)
-DOCUMENTED_EXIT_CODES += (EXIT_INTERRUPTED,)  # those of a run that said why: not 1 (unexpected), nor 129 (unread)
+DOCUMENTED_EXIT_CODES += (EXIT_INTERRUPTED,)  # those of a run that said why: not 1 (unexpected)
 
 
 class RunStopped(Exception):

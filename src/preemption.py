@@ -1,87 +1,32 @@
-"""Preemption: SIGTERM or SIGUSR1 (SLURM's warning), or the launcher's death (SIGKILL, the OOM killer), becomes a
-checkpoint at a step boundary agreed on by every process, then EXIT_PREEMPTED; the same command resumes."""
+"""Preemption: SIGTERM or SIGUSR1 (SLURM's warning), or a feature's request_checkpoint, becomes a checkpoint at a step
+boundary agreed on by every process, then EXIT_PREEMPTED; the same command resumes."""
 
-import atexit
 import contextlib
-import os
 import signal
-import sys
 import threading
 import time
-from pathlib import Path
 
 import torch
 
-from src.errors import EXIT_LAUNCHER_GONE, is_main_process, say
+from src import features
 
-POLL_S = 0.5
-GRACE_S = 5.0  # for the preemption checkpoint; a new launch on the folder is still importing torch by then
-_launcher_gone = threading.Event()
-_launcher_listeners: list = []  # PreemptionSignals' while a training loop runs
-_launcher: list[int] = []  # the watched launcher's pid, once watch_launcher has started watching
-_noticing = threading.Lock()
+_loop_handlers: list = []  # the running PreemptionSignals' handler, while a training loop runs
+_requested = threading.Event()  # request_checkpoint's: for the loops that start later too
 
 
-def watch_launcher() -> None:
-    """Once, in a torch elastic rank (in a session of its own: a SIGKILLed launcher takes none along): a thread that
-    stops the rank soon after its parent changes, or at once if its parent is no launcher already (docs/resume.md).
-    Polling: PR_SET_PDEATHSIG is Linux-only, fires when the *thread* that forked the rank exits, and races with a
-    parent that died first."""
-    if not _launcher and "TORCHELASTIC_RUN_ID" in os.environ and "WORLD_SIZE" in os.environ:
-        parent = os.getppid()
-        _launcher.append(parent if runs_python(parent) else GONE_BEFORE_WATCHED)
-        threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
-        atexit.register(exit_now_if_launcher_gone)
+def training_loop_running() -> bool:
+    """Whether a training loop runs to save the checkpoint that request_checkpoint asks for."""
+    return bool(_loop_handlers)
 
 
-GONE_BEFORE_WATCHED = 0  # no process's pid: the launcher died while this rank started (e.g. importing torch)
-
-
-def runs_python(pid: int) -> bool:
-    """Whether process `pid` runs Python, as every launcher of a torch elastic rank does; a rank whose parent does not
-    was handed to init (or a subreaper) by a launcher that died before it was watched. True where it can't be told."""
-    try:  # its program (a launcher script's interpreter: the kernel puts it first); /proc/PID/exe may be unreadable
-        program = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
-    except OSError:  # no /proc (macOS)
-        return True
-    return b"python" in os.path.basename(program)
-
-
-def exit_now_if_launcher_gone() -> None:
-    """At interpreter exit with the launcher gone, stop now: teardown can wait seconds on a gone peer, and once it has
-    begun the watch thread can no longer run to end it."""
-    if _launcher_gone.is_set():
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError):  # a closed pipe, a closed file
-                stream.flush()
-        os._exit(EXIT_LAUNCHER_GONE)
-
-
-def launcher_gone() -> bool:
-    """Whether the watched launcher is gone; the first to find it (the watch thread, or the loop once the ranks agreed
-    to stop) says so and sets `_launcher_gone`."""
-    if not _launcher or os.getppid() == _launcher[0]:
-        return False
-    with _noticing:
-        if not _launcher_gone.is_set():
-            then = f"saving a checkpoint, then stopping (at most {GRACE_S:g} s)" if _launcher_listeners else "stopping"
-            launcher = "the launcher" if _launcher[0] == GONE_BEFORE_WATCHED else f"the launcher (pid {_launcher[0]})"
-            if is_main_process():
-                with contextlib.suppress(OSError):  # the launcher's pipe may be gone with it
-                    say(f"{launcher} exited: {then}")
-            _launcher_gone.set()  # said first: from here on, an exit is immediate (exit_now_if_launcher_gone)
-    return True
-
-
-def watch() -> None:
-    while not launcher_gone():
-        time.sleep(POLL_S)
-    listeners = list(_launcher_listeners)
-    for listener in listeners:
-        listener()
-    if listeners:
-        time.sleep(GRACE_S)
-    os._exit(EXIT_LAUNCHER_GONE)
+def request_checkpoint() -> bool:
+    """A preemption checkpoint at the next agreed step, as SIGTERM asks, from code (a feature's thread), in this
+    process's later loops too; returns whether a training loop runs now to save it."""
+    _requested.set()  # before the handlers are read: a loop starting meanwhile sees it or is handled
+    handlers = list(_loop_handlers)
+    for handle in handlers:
+        handle()
+    return bool(handlers)
 
 
 _noted_early = threading.Event()  # a signal before the training loop's PreemptionSignals, kept for it
@@ -130,17 +75,17 @@ class PreemptionSignals(contextlib.AbstractContextManager):
     flag and reads the one started `every` steps earlier, so all agree at the same step and none waits."""
 
     CPU_EVERY = 10  # `every` on CPU processes (1 on GPUs): gloo's background work takes cores (docs/resume.md) ...
-    AGREE_S = 1.0  # ... unless that is longer than this: slow steps agree sooner, well within GRACE_S
+    AGREE_S = 1.0  # ... unless that is longer than this: slow steps agree sooner, within a few seconds
     TIMED_STEPS = 3  # the steps timed to choose `every`, once
 
     def __init__(self, accelerator):
         self.alone = accelerator.num_processes == 1
         self.received = False
         self.previous = set_preemption_handler(self.handle)  # the handlers replaced, restored on exit
-        _launcher_listeners.append(self.handle)
-        # the watch may have read its listeners already; a signal before the loop (noted_from_the_start) is read
-        # only once this handler has taken over, so none falls between the two
-        if _launcher_gone.is_set() or _noted_early.is_set():
+        _loop_handlers.append(self.handle)
+        # request_checkpoint may have read the handlers already; a signal before the loop (noted_from_the_start) is
+        # read only once this handler has taken over, so none falls between the two
+        if _requested.is_set() or _noted_early.is_set():
             self.handle()
         if not self.alone:
             self.group = torch.distributed.new_group(backend="gloo")  # a CPU flag: no device sync per step
@@ -168,7 +113,7 @@ class PreemptionSignals(contextlib.AbstractContextManager):
             self.pending.wait()
             agreed = bool(self.flag.item() > 0)
             if agreed:
-                launcher_gone()  # if that is why: said now, before the checkpoint, whichever rank noticed it
+                features.installed().on_preemption()  # e.g. launcher_watch's line, before the checkpoint
         self.flag = torch.tensor([float(self.received)])
         self.pending = torch.distributed.all_reduce(self.flag, group=self.group, async_op=True)
         return agreed
@@ -182,7 +127,7 @@ class PreemptionSignals(contextlib.AbstractContextManager):
 
     def __exit__(self, error_type, error, traceback):
         """Restore the handlers we replaced, also when training raised: a notebook's kernel keeps its own."""
-        _launcher_listeners.remove(self.handle)
+        _loop_handlers.remove(self.handle)
         if error_type is None and not self.alone and self.pending is not None:
             self.pending.wait()  # the last all-reduce in flight (not after an error: a peer may be gone)
         restore_handlers(self.previous)

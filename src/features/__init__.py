@@ -24,6 +24,9 @@ class Feature:
     def check(self, config) -> None:
         """Before training reads or writes anything, on every process: bad input raises UsageError (exit 2)."""
 
+    def before_process_group(self) -> None:
+        """In every process as it starts building its Accelerator (eval-only too), before the process group forms."""
+
     def check_launch(self, use_cpu: bool, config) -> None:
         """Before the process group forms: raise LaunchError for what's unavailable (config None: scripts/launch.py)."""
 
@@ -59,6 +62,9 @@ class Feature:
 
     def on_step(self, accelerator, config, step: int) -> None:
         """After each optimiser step, on every process (keep it cheap: it runs at every step)."""
+
+    def on_preemption(self) -> None:
+        """On every process, once all agreed to save a preemption checkpoint at this step, before it is saved."""
 
     def on_checkpoint(self, accelerator, config, checkpoint: Path, state) -> None:
         """On every process, after `checkpoint` was saved; `state` is its TrainerState."""
@@ -104,12 +110,14 @@ def chain(hook):
 class Features(tuple):
     """Every installed feature as one: each hook in turn, chained, or the first answer that is not None."""
 
+    before_process_group = each(Feature.before_process_group)
     check_launch = each(Feature.check_launch)
     check = each(Feature.check)
     before_resume = each(Feature.before_resume)
     on_start = each(Feature.on_start)
     before_training = each(Feature.before_training)
     on_step = each(Feature.on_step)
+    on_preemption = each(Feature.on_preemption)
     on_checkpoint = each(Feature.on_checkpoint)
     on_end = each(Feature.on_end)
     accelerator_options = first(Feature.accelerator_options)
