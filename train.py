@@ -144,7 +144,7 @@ def train(config: TrainConfig) -> dict:
 
     # --- train ---
     step, eval_metrics = state.step, {}  # eval_metrics: the latest evaluation's
-    meter = meters.TrainMeters(accelerator, task, model, run.optimizer, config, state)
+    meter = meters.TrainMeters(accelerator, model, run.optimizer, config, state)
     best = BestEvaluation(config, state)  # a new best model is checkpointed; early stopping
     total_steps = state.step if best.stopped_early() else total_steps  # resumed after it stopped early: done
     progress = tracking.progress_bar(accelerator, total_steps, initial=step)
@@ -173,6 +173,7 @@ def train(config: TrainConfig) -> dict:
             if log_next or step == total_steps:  # an early stop's last steps too
                 epoch = step / steps_per_epoch if steps_per_epoch else position.epoch
                 logged = meter.log_step(step, lr_scheduler.get_last_lr()[0], grad_norm, epoch)
+                logged = features.installed().train_metrics(logged, accelerator, task)  # e.g. throughput's tokens/s
                 tracking.log_metrics(accelerator, logged, step)
             if evaluate_now:
                 tracking.log_metrics(accelerator, eval_metrics, step)  # after the step's train line

@@ -1,4 +1,4 @@
-"""What the loop measures: the loss window, the step timer, throughput and MFU, memory; src/tracking.py writes them."""
+"""What the loop measures: the loss window, the step timer, samples/s, memory; src/tracking.py writes them."""
 
 import contextlib
 import resource
@@ -74,32 +74,6 @@ class StepTimer:
         self.start += time.perf_counter() - paused_at
 
 
-# bf16 dense tensor-core peak per GPU (data sheets), MFU only for these; the most specific name first ("L40S", "L4")
-PEAK_FLOPS = {"H200 NVL": 835e12, "H200": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12,
-              "A100": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10G": 70e12}  # fmt: skip
-
-
-def throughput_metrics(task, accelerator):
-    """samples/s -> tokens/s (tasks with `tokens_per_sample`) and MFU (with `flops_per_token` and a known GPU)."""
-    tokens_per_sample = task.tokens_per_sample()
-    if tokens_per_sample is None:
-        return lambda samples_per_s: {}
-    peak = flops_per_token = None
-    if accelerator.device.type == "cuda":
-        name = torch.cuda.get_device_name(accelerator.device)
-        peak = next((flops for gpu, flops in PEAK_FLOPS.items() if gpu in name), None)
-        flops_per_token = task.flops_per_token()
-
-    def metrics(samples_per_s: float) -> dict:
-        tokens_per_s = samples_per_s * tokens_per_sample
-        if peak is None or flops_per_token is None:
-            return {"train/tokens_per_s": tokens_per_s}
-        mfu = tokens_per_s * flops_per_token / (peak * accelerator.num_processes)
-        return {"train/tokens_per_s": tokens_per_s, "train/mfu": mfu}
-
-    return metrics
-
-
 def local_bytes(tensor: torch.Tensor) -> int:
     """This process's bytes of a tensor: a DTensor's local shard, a ZeRO-3 partition (`ds_tensor`; `.data` is empty)."""
     from torch.distributed.tensor import DTensor
@@ -113,12 +87,11 @@ def local_bytes(tensor: torch.Tensor) -> int:
 class TrainMeters:
     """What the loop records between two log steps, and a log step's `train/` metrics."""
 
-    def __init__(self, accelerator, task, model, optimizer: torch.optim.Optimizer, config: TrainConfig, state):
+    def __init__(self, accelerator, model, optimizer: torch.optim.Optimizer, config: TrainConfig, state):
         self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
         self.global_batch = state.global_batch
         self.losses = LossWindow(accelerator, config.skip_nonfinite_batches, state.loss_window, state.window_first_step)
         self.timer = StepTimer(state.step)
-        self.throughput = throughput_metrics(task, accelerator)  # tokens/s and MFU for tasks that count tokens
         self.skipped_steps = state.skipped_steps if config.skip_nonfinite_batches else None  # with it only
         self.shard_bytes_logged = False
 
@@ -131,7 +104,6 @@ class TrainMeters:
             "train/lr": lr,
             **({"train/grad_norm": grad_norm.item()} if grad_norm is not None else {}),
             "train/samples_per_s": self.global_batch / step_time,
-            **self.throughput(self.global_batch / step_time),
             "train/step_time_s": step_time,
             "train/peak_memory_gb": peak_memory_gb(self.accelerator.device),
             "epoch": epoch,

@@ -74,11 +74,15 @@ def test_features_are_found_by_looking_and_called_in_turn():
         def train_loader(self, task, config, pin_memory):
             return self.name if self.name == "b" else None
 
+        def train_metrics(self, metrics, accelerator, task):
+            return {**metrics, self.name: task}
+
     features = Features([Recording("a"), Recording("b")])
     features.on_checkpoint(None, None, "step_2", None)
     assert calls == [("a", "step_2"), ("b", "step_2")]
     assert features.adapt_model([], None) == ["a", "b"]  # chained: each feature given the previous one's model
     assert features.train_loader(None, None, False) == "b"  # the first answer that is not None
+    assert features.train_metrics({"train/loss": 1.0}, None, "task") == {"train/loss": 1.0, "a": "task", "b": "task"}
 
 
 def test_every_path_of_the_manifest_exists_or_is_optional():

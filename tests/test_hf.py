@@ -213,8 +213,6 @@ def test_packed_language_model_from_scratch(assets, tmp_path):
                              "n_layer=1,n_embd=32,n_head=2", "--max_steps", "4", "--per_device_train_batch_size", "4",
                              "--global_batch_size", "8", "--output_dir", str(out))  # fmt: skip
     assert_ok(run_main(*args))
-    logged = next(row for row in read_metrics(out) if "train/loss" in row)
-    assert logged["train/tokens_per_s"] == pytest.approx(logged["train/samples_per_s"] * 64)  # full blocks
     config = json.loads((out / "model" / "config.json").read_text())
     assert (config["n_layer"], config["n_embd"]) == (1, 32)
 

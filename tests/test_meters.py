@@ -1,5 +1,4 @@
-"""What the loop measures (src/meters.py): throughput (tokens/s, MFU only on GPUs with a known peak), the step timer,
-the loss window."""
+"""What the loop measures (src/meters.py): the step timer, the loss window."""
 
 from types import SimpleNamespace
 
@@ -8,38 +7,6 @@ import torch
 
 from src import meters
 from src.errors import TrainingDiverged
-
-
-def lm_like_task(tokens_per_sample=128, flops_per_token=6e6):
-    return SimpleNamespace(tokens_per_sample=lambda: tokens_per_sample, flops_per_token=lambda: flops_per_token)
-
-
-def fake_accelerator(device: str, num_processes: int = 1):
-    return SimpleNamespace(device=torch.device(device), num_processes=num_processes)
-
-
-@pytest.mark.parametrize("processes", [1, 4])
-def test_mfu_on_a_known_gpu_is_tokens_times_flops_over_peak(monkeypatch, processes):
-    monkeypatch.setattr(meters.torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
-    metrics = meters.throughput_metrics(lm_like_task(), fake_accelerator("cuda:0", processes))(samples_per_s=1000.0)
-    assert metrics["train/tokens_per_s"] == 1000.0 * 128
-    assert metrics["train/mfu"] == pytest.approx(1000.0 * 128 * 6e6 / (989e12 * processes), rel=1e-12)
-
-
-def test_no_mfu_on_an_unknown_gpu(monkeypatch):
-    monkeypatch.setattr(meters.torch.cuda, "get_device_name", lambda device=None: "NVIDIA GeForce RTX 3090")
-    metrics = meters.throughput_metrics(lm_like_task(), fake_accelerator("cuda:0"))(samples_per_s=10.0)
-    assert metrics == {"train/tokens_per_s": 10.0 * 128}
-
-
-def test_cpu_logs_tokens_per_s_and_no_mfu():
-    metrics = meters.throughput_metrics(lm_like_task(tokens_per_sample=64), fake_accelerator("cpu"))(samples_per_s=3.0)
-    assert metrics == {"train/tokens_per_s": 3.0 * 64}
-
-
-def test_task_without_tokens_logs_nothing_extra():
-    task = SimpleNamespace(tokens_per_sample=lambda: None, flops_per_token=lambda: None)
-    assert meters.throughput_metrics(task, fake_accelerator("cpu"))(samples_per_s=5.0) == {}
 
 
 def test_step_timer_counts_only_the_steps_it_timed(monkeypatch):

@@ -450,18 +450,17 @@ def test_an_empty_eval_split_is_one_line_before_training(tmp_path, monkeypatch):
 
 
 def test_a_task_method_failing_anywhere_in_the_run_is_one_line(tmp_path, monkeypatch):
-    """Where train.py (or a forker's edit to it) calls the task decides nothing: tokens_per_sample(), read as the
-    meters are made before the loop, fails in one line naming it, as a loss() in the loop does."""
+    """Where train.py (or a forker's edit to it) calls the task decides nothing: derived_metrics(), called by
+    evaluate() on the gathered scores, outside any batch, fails in one line naming it, as a loss() in the loop does."""
     from src.tasks.digits import Digits
 
-    def tokens_per_sample(self):
-        raise ValueError("a counting bug")
+    def derived_metrics(self, scores):
+        raise ValueError("a scoring bug")
 
-    monkeypatch.setattr(Digits, "tokens_per_sample", tokens_per_sample)
+    monkeypatch.setattr(Digits, "derived_metrics", derived_metrics)
     failed = run_main(*QUICK, "--output_dir", str(tmp_path / "run"))
     assert failed.returncode == EXIT_TASK_FAILED, failed.stderr[-2000:]
     last = failed.stderr.strip().splitlines()[-1]
     assert (
-        last
-        == "error: Digits.tokens_per_sample() failed: ValueError: a counting bug (--debug true shows the traceback)"
+        last == "error: Digits.derived_metrics() failed: ValueError: a scoring bug (--debug true shows the traceback)"
     )

@@ -63,6 +63,10 @@ class Feature:
     def on_step(self, accelerator, config, step: int) -> None:
         """After each optimiser step, on every process (keep it cheap: it runs at every step)."""
 
+    def train_metrics(self, metrics: dict, accelerator, task) -> dict:
+        """A log step's `train/` metrics as logged, on every process: e.g. with throughput's tokens/s added."""
+        return metrics
+
     def on_preemption(self) -> None:
         """On every process, once all agreed to save a preemption checkpoint at this step, before it is saved."""
 
@@ -126,6 +130,7 @@ class Features(tuple):
     train_batches = first(Feature.train_batches)
     wrap_train = chain(Feature.wrap_train)
     adapt_model = chain(Feature.adapt_model)
+    train_metrics = chain(Feature.train_metrics)
 
 
 def options_of(options_class: type, values: dict):

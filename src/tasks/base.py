@@ -98,14 +98,6 @@ class Task:
         """Metrics computed from the gathered ones, e.g. perplexity = exp(eval/loss)."""
         return {}
 
-    def tokens_per_sample(self) -> int | None:
-        """Tokens in one training sample: logs train/tokens_per_s."""
-        return None
-
-    def flops_per_token(self) -> float | None:
-        """Training FLOPs per token (forward + backward): logs train/mfu on GPUs with a known peak."""
-        return None
-
     def save_model(self, accelerator, model: nn.Module, directory: Path) -> None:
         """The final model (and with export_checkpoints checkpoints'), on every process: FSDP, DeepSpeed gather it."""
         accelerator.save_model(model, directory, safe_serialization=True)
