@@ -48,7 +48,7 @@ def throughput_metrics(task, accelerator, samples_per_s: float) -> dict:
 class Throughput(Feature):
     def train_metrics(self, metrics: dict, accelerator, task) -> dict:
         added = throughput_metrics(task, accelerator, metrics["train/samples_per_s"])
-        # right after samples/s, where they were logged before they were a feature
+        # right after samples/s: the rates side by side
         items = list(metrics.items())
         at = list(metrics).index("train/samples_per_s") + 1
         return dict(items[:at] + list(added.items()) + items[at:])
