@@ -18,7 +18,7 @@ import torch
 
 from scripts.readme_commands import BASH_BLOCK, section_block, section_commands
 from src.errors import EXIT_USAGE
-from tests.conftest import REPO, free_port, last_row, logged_losses, manifest, read_metrics, series
+from tests.conftest import QUICK, REPO, free_port, last_row, logged_losses, manifest, read_metrics, run_main, series
 
 # --- imports, read from the source ---
 
@@ -66,6 +66,20 @@ class Unreadable(torch.utils.data.Dataset):
         if index >= self.bad:
             raise OSError(f"sample {index}: truncated file")
         return self.inner[index]
+
+
+def run_with_unreadable_samples(monkeypatch, output_dir: Path, first_bad: int, split: str = "train"):
+    """A short digits run (`main` in this process) whose train or eval samples from index `first_bad` on don't read."""
+    from src.tasks.digits import Digits
+
+    build_datasets = Digits.build_datasets
+
+    def unreadable(self):
+        train, evals = build_datasets(self)
+        return (Unreadable(train, first_bad), evals) if split == "train" else (train, Unreadable(evals, first_bad))
+
+    monkeypatch.setattr(Digits, "build_datasets", unreadable)
+    return run_main(*QUICK, "--output_dir", str(output_dir))
 
 
 def assert_error_line(result, pattern: str, exit_code: int = EXIT_USAGE) -> None:
@@ -247,6 +261,13 @@ def language_modeling(assets, *args) -> list[str]:
     return ["--task", "language_modeling", "--model_name_or_path", assets["gpt2"], "--data_files", assets["data"],
             "--dropout", "0", "--learning_rate", "1e-3", "--logging_steps", "1", "--eval_steps", "1000",
             "--packing", "false", "--block_size", "64", *args]  # fmt: skip
+
+
+def packed_from_scratch(assets, steps: int, *args) -> list[str]:
+    """A one-layer GPT-2 trained from scratch on packed blocks of 64 tokens, 8 a step."""
+    return language_modeling(assets, "--packing", "true", "--from_scratch", "true", "--config_overrides",
+                             "n_layer=1,n_embd=32,n_head=2", "--max_steps", str(steps), "--per_device_train_batch_size",
+                             "4", "--global_batch_size", "8", *args)  # fmt: skip
 
 
 # 7 prompts (a prime: uneven shards on 2 and 3 processes), the last longer than the model's context (its end is kept)

@@ -38,6 +38,7 @@ from tests.helpers import (
     lm_eval_loss,
     losses,
     needs_package,
+    packed_from_scratch,
     padded_lm,
     padded_lm_one_process,
     predict_only,
@@ -209,9 +210,7 @@ def test_saved_language_model_reproduces_the_eval_loss(modeled, assets):
 @pytest.mark.slow
 def test_packed_language_model_from_scratch(assets, tmp_path):
     out = tmp_path / "run"
-    args = language_modeling(assets, "--packing", "true", "--from_scratch", "true", "--config_overrides",
-                             "n_layer=1,n_embd=32,n_head=2", "--max_steps", "4", "--per_device_train_batch_size", "4",
-                             "--global_batch_size", "8", "--output_dir", str(out))  # fmt: skip
+    args = packed_from_scratch(assets, 4, "--output_dir", str(out))
     assert_ok(run_main(*args))
     config = json.loads((out / "model" / "config.json").read_text())
     assert (config["n_layer"], config["n_embd"]) == (1, 32)

@@ -14,7 +14,7 @@ from src.features.preflight import check_first_batch, check_watched_metrics
 from src.loaders import build_dataloaders
 from src.tasks.base import Task
 from tests.conftest import QUICK, assert_ok, run_main
-from tests.helpers import Unreadable
+from tests.helpers import run_with_unreadable_samples
 
 
 class Ragged(Task):
@@ -122,13 +122,7 @@ def test_a_misspelt_metric_for_best_model_stops_the_run_before_it_writes_anythin
 
 def test_a_first_sample_that_does_not_read_is_one_line_before_training(tmp_path, monkeypatch):
     """A corrupt file among the first train samples: one line, exit 70, before the first step: nothing written."""
-    from src.tasks.digits import Digits
-
-    build_datasets = Digits.build_datasets
-    monkeypatch.setattr(
-        Digits, "build_datasets", lambda self: (Unreadable(build_datasets(self)[0], 0), *build_datasets(self)[1:])
-    )
-    failed = run_main(*QUICK, "--output_dir", str(tmp_path / "run"))
+    failed = run_with_unreadable_samples(monkeypatch, tmp_path / "run", first_bad=0)
     assert failed.returncode == EXIT_TASK_FAILED, failed.stderr[-2000:]
     said = failed.stderr.strip().splitlines()[-1]
     assert said == "error: reading the first samples failed: OSError: sample 0: truncated file", said
@@ -138,13 +132,7 @@ def test_a_first_sample_that_does_not_read_is_one_line_before_training(tmp_path,
 def test_an_eval_split_whose_first_sample_does_not_read_is_one_line_before_training(tmp_path, monkeypatch):
     """The eval check reads a batch as evaluation does: a sample that does not read is one line before the first step,
     nothing written."""
-    from src.tasks.digits import Digits
-
-    build_datasets = Digits.build_datasets
-    monkeypatch.setattr(
-        Digits, "build_datasets", lambda self: (lambda t, e: (t, Unreadable(e, 0)))(*build_datasets(self))
-    )
-    failed = run_main(*QUICK, "--output_dir", str(tmp_path / "run"))
+    failed = run_with_unreadable_samples(monkeypatch, tmp_path / "run", first_bad=0, split="eval")
     line = r"error: reading a batch failed: OSError: sample 0: truncated file \(--debug true shows the traceback\)"
     assert re.fullmatch(line, failed.stderr.strip().splitlines()[-1]), failed.stderr[-2000:]
     assert failed.returncode == EXIT_TASK_FAILED and not (tmp_path / "run").exists()

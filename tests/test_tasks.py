@@ -27,7 +27,7 @@ from tests.conftest import (
     run_command,
     run_main,
 )
-from tests.helpers import Unreadable, has_feature, needs
+from tests.helpers import has_feature, needs, run_with_unreadable_samples
 
 
 def digits_only(task: str) -> set[str]:
@@ -406,13 +406,7 @@ def test_a_task_failing_on_its_data_or_model_is_one_line_before_anything_is_writ
 
 def test_a_sample_that_does_not_read_is_one_line(tmp_path, monkeypatch):
     """Data the training loop reads (a corrupt file, here past the first batch): one line, exit 70, no traceback."""
-    from src.tasks.digits import Digits
-
-    build_datasets = Digits.build_datasets
-    monkeypatch.setattr(
-        Digits, "build_datasets", lambda self: (Unreadable(build_datasets(self)[0], 32), *build_datasets(self)[1:])
-    )
-    failed = run_main(*QUICK, "--output_dir", str(tmp_path / "run"))
+    failed = run_with_unreadable_samples(monkeypatch, tmp_path / "run", first_bad=32)
     assert failed.returncode == EXIT_TASK_FAILED, failed.stderr[-2000:]
     line = r"error: reading a batch failed: OSError: sample \d+: truncated file \(--debug true shows the traceback\)"
     assert re.fullmatch(line, failed.stderr.strip().splitlines()[-1]) and "Traceback" not in failed.stderr

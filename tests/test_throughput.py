@@ -10,7 +10,7 @@ from src.errors import EXIT_TASK_FAILED
 from src.features import throughput
 from src.features.throughput import FEATURE, CountsFlops, CountsTokens, throughput_metrics
 from tests.conftest import QUICK, assert_ok, read_metrics, run_main
-from tests.helpers import language_modeling, needs, needs_package
+from tests.helpers import needs, needs_package, packed_from_scratch
 
 
 class TokensTask:
@@ -154,8 +154,6 @@ def test_a_causal_lm_run_logs_tokens_per_s_at_every_log_step(tmp_path):
 @needs_package("transformers", "pip install -r requirements/hf.txt")
 def test_a_packed_language_modeling_run_logs_tokens_per_s(hf_assets, tmp_path):
     out = tmp_path / "run"
-    args = language_modeling(hf_assets, "--packing", "true", "--from_scratch", "true", "--config_overrides",
-                             "n_layer=1,n_embd=32,n_head=2", "--max_steps", "2", "--per_device_train_batch_size", "4",
-                             "--global_batch_size", "8", "--output_dir", str(out))  # fmt: skip
+    args = packed_from_scratch(hf_assets, 2, "--output_dir", str(out))
     assert_ok(run_main(*args))
     assert_tokens_per_s(out, tokens_per_sample=64)  # full blocks of --block_size 64
