@@ -54,14 +54,10 @@ class FastAccelerator(Accelerator):
             return super().prepare(*args, device_placement=device_placement)
 
     def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
-        """Upstream's, minus importing deepspeed to seek an engine unless the run is DeepSpeed (~1-2 s, a warning)."""
+        """Upstream's, minus importing deepspeed to seek an engine unless the run is DeepSpeed (~1-2 s, a warning): also
+        inside `save_model` and `get_state_dict`, which call it, so the model save goes without it."""
         with deepspeed_only_if_used(self):
             return super().unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
-
-    def save_model(self, model, save_directory, *args, **kwargs):
-        """Upstream's, minus importing deepspeed unless the run is DeepSpeed (the model save: ~1 s and 55 MB)."""
-        with deepspeed_only_if_used(self):
-            return super().save_model(model, save_directory, *args, **kwargs)
 
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
         """Upstream's, minus importing `datasets` (~0.5 s) to test for its IterableDataset, absent if never imported."""
