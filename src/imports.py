@@ -1,7 +1,8 @@
 """What a run imports: only what it uses. Some libraries import an optional package wherever installed, just to ask what
 this run knows; `hidden` hides it then: transformers while evaluate is imported (src/metrics.py), deepspeed in
 `Accelerator.prepare` and `unwrap_model` (the model save's too) unless the run is DeepSpeed, and datasets while
-Accelerate shards a loader (src/features/fast_accelerator), mlflow while DeepSpeed is imported (src/features/deepspeed)."""
+Accelerate shards a loader (src/features/fast_accelerator), mlflow while DeepSpeed is imported
+(src/features/deepspeed)."""
 
 import contextlib
 import sys
